@@ -1,0 +1,349 @@
+"""The optax transformation: unscale, check, skip on overflow, adjust the scale."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from optax import OptState, Params, Updates
+
+from jaxscale._loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    reciprocal_parts,
+    unscale_leaf,
+)
+from jaxscale._tree import is_float_leaf, saturating_increment
+
+__all__ = [
+    "DynamicScalingState",
+    "dynamic_scaling",
+    "loss_scale_of",
+    "value_and_grad",
+]
+
+
+class DynamicScalingState(NamedTuple):
+    """State of :func:`dynamic_scaling`; every counter lives on device.
+
+    Attributes:
+      loss_scale: the :class:`LossScale` to use for the next step.
+      inner_state: the wrapped transformation's state; bit-identical after a
+        skipped step.
+      steps: ``i32[]``, update calls so far (saturates at the int32 maximum).
+      skipped_steps: ``i32[]``, of which skipped because a gradient was not finite.
+      consecutive_skips: ``i32[]``, length of the current run of skipped steps.
+      last_step_finite: ``bool[]``, whether the last step was applied (``True``
+        before the first step).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> state = jxs.dynamic_scaling(optax.sgd(0.1)).init(jnp.zeros(3))
+      >>> int(state.skipped_steps), bool(state.last_step_finite)
+      (0, True)
+    """
+
+    loss_scale: LossScale
+    inner_state: OptState
+    steps: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_step_finite: jax.Array
+
+
+def _fresh_copy_factory(loss_scale: LossScale) -> Callable[[], LossScale]:
+    """Returns a function that builds a new copy of ``loss_scale`` on each call.
+
+    The leaves are copied to host memory once, here, so a state handed out by
+    ``init`` never shares a buffer with the argument or with an earlier ``init``:
+    donating one (``jit(..., donate_argnums=...)``) cannot delete another.
+    """
+    leaves, treedef = jax.tree.flatten(loss_scale)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return lambda: loss_scale
+    host = [np.array(x) for x in leaves]
+    return lambda: jax.tree.unflatten(treedef, [jnp.array(x) for x in host])
+
+
+def _negative_zeros(tree: Any) -> Any:
+    """``-0.0`` of each float leaf's shape and dtype (``0`` for other dtypes).
+
+    ``p + (-0.0)`` is ``p`` for every float ``p``, ``-0.0`` included, whereas
+    ``-0.0 + 0.0`` would be ``+0.0``: so ``optax.apply_updates`` with these
+    updates leaves every parameter bit-identical.
+    """
+
+    def leaf(s):
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            return jnp.full(s.shape, -0.0, s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
+def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """Whether every unscaled float gradient is finite, in its own dtype.
+
+    The unscale multiply is fused into the reduction by XLA: the unscaled
+    gradients are never written to memory here.
+    """
+    flags = [
+        jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
+        for g in jax.tree.leaves(grads)
+        if is_float_leaf(g)
+    ]
+    out = jnp.ones((), jnp.bool_)
+    for f in flags:
+        out = out & f
+    return out
+
+
+def dynamic_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optimizer with loss scaling: unscale, skip on overflow, adjust.
+
+    ``update`` takes the gradients of the *scaled* loss (see
+    :func:`value_and_grad`). It unscales them, checks that every unscaled
+    gradient is finite (fused with the unscale), and then:
+
+    * finite step: runs ``inner`` on the unscaled gradients and returns its
+      updates;
+    * non-finite step: does **not** run ``inner`` (a ``lax.cond``); returns
+      updates of ``-0.0`` (so ``optax.apply_updates`` leaves every parameter
+      bit-identical, signed zeros included) and the inner state unchanged.
+
+    Either way the loss scale is adjusted (:meth:`LossScale.adjust`) and the
+    counters in :class:`DynamicScalingState` advance. Everything happens in XLA:
+    no host synchronisation, no retrace when the scale changes, fixed state shapes
+    and dtypes (so a whole loop can run in ``lax.scan``), and ``init`` returns
+    fresh buffers on every call (safe with ``donate_argnums``).
+
+    Put clipping and other gradient transformations *inside* ``inner`` so they
+    see unscaled gradients. Float leaves of any dtype (f16, bf16, f32, f64 with
+    x64) are unscaled in their own dtype (see :meth:`LossScale.unscale`); integer
+    and ``None`` leaves pass through to ``inner`` untouched.
+
+    Args:
+      inner: the optimizer (any ``optax.GradientTransformation``) to protect.
+      loss_scale: the initial :class:`LossScale`; default
+        ``DynamicLossScale.create()`` (init ``2**16``, torch's defaults).
+        ``NoOpLossScale`` keeps only the skipping of non-finite steps.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
+      ``update`` are forwarded to ``inner``.
+
+    Raises:
+      TypeError: if ``inner`` is not a transformation or ``loss_scale`` not a
+        :class:`LossScale`.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+      >>> loss, grads = jxs.value_and_grad(loss_fn, opt_state)(params)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> optax.apply_updates(params, updates)
+      {'w': Array([0.8, 0.8], dtype=float32)}
+      >>> bad = {"w": jnp.array([jnp.inf, 1.0])}
+      >>> updates, opt_state = tx.update(bad, opt_state, params)
+      >>> int(opt_state.skipped_steps), opt_state.loss_scale.loss_scale
+      (1, Array(32768., dtype=float32))
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "`inner` must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+            f"got {type(inner).__name__}."
+        )
+    if loss_scale is None:
+        loss_scale = DynamicLossScale.create()
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            "`loss_scale` must be a jxs.LossScale (e.g. "
+            f"jxs.DynamicLossScale.create()), got {type(loss_scale).__name__}."
+        )
+    inner = optax.with_extra_args_support(inner)
+    fresh_loss_scale = _fresh_copy_factory(loss_scale)
+
+    def init_fn(params: Params) -> DynamicScalingState:
+        return DynamicScalingState(
+            loss_scale=fresh_loss_scale(),
+            inner_state=inner.init(params),
+            steps=jnp.zeros((), jnp.int32),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+            last_step_finite=jnp.ones((), jnp.bool_),
+        )
+
+    def update_fn(
+        updates: Updates,
+        state: DynamicScalingState,
+        params: Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[Updates, DynamicScalingState]:
+        ls = state.loss_scale
+        hi, lo = reciprocal_parts(ls.loss_scale)
+        finite = _unscaled_finite(updates, hi, lo)
+
+        def apply(operand):
+            grads, inner_state = operand
+            unscaled = jax.tree.map(lambda g: unscale_leaf(g, hi, lo), grads)
+            return inner.update(unscaled, inner_state, params, **extra_args)
+
+        def skip(operand):
+            grads, inner_state = operand
+            out_updates, _ = jax.eval_shape(apply, operand)
+            return _negative_zeros(out_updates), inner_state
+
+        new_updates, new_inner = lax.cond(
+            finite, apply, skip, (updates, state.inner_state)
+        )
+        new_state = DynamicScalingState(
+            loss_scale=ls.adjust(finite),
+            inner_state=new_inner,
+            steps=saturating_increment(state.steps),
+            skipped_steps=jnp.where(
+                finite, state.skipped_steps, saturating_increment(state.skipped_steps)
+            ),
+            consecutive_skips=jnp.where(
+                finite, 0, saturating_increment(state.consecutive_skips)
+            ).astype(jnp.int32),
+            last_step_finite=finite,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unwrap_variable(x: Any) -> Any:
+    """Returns the array inside a Flax NNX variable wrapper (e.g. ``OptArray``)."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return x
+    for attr in ("get_value", "value"):
+        if hasattr(x, attr):
+            v = getattr(x, attr)
+            return v() if callable(v) else v
+    return x
+
+
+def _is_variable(x: Any) -> bool:
+    return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
+
+
+def loss_scale_of(opt_state: Any) -> LossScale:
+    """Finds the :class:`LossScale` inside any nested optimizer state.
+
+    Looks through ``optax.chain``, ``optax.inject_hyperparams``,
+    ``optax.MultiSteps``, a Flax ``TrainState`` (or anything with an
+    ``opt_state`` attribute, such as an ``nnx.Optimizer``), and unwraps the
+    ``nnx.OptArray`` variables NNX puts around state leaves. A
+    :class:`LossScale` passed in is returned as is.
+
+    Args:
+      opt_state: an optimizer state (or object holding one) that contains
+        exactly one :class:`LossScale`.
+
+    Returns:
+      The :class:`LossScale`, with plain arrays as leaves.
+
+    Raises:
+      ValueError: if there is no loss scale, or more than one, in ``opt_state``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> tx = optax.chain(optax.clip(1.0), jxs.dynamic_scaling(optax.adam(1e-3)))
+      >>> jxs.loss_scale_of(tx.init(jnp.zeros(3))).loss_scale
+      Array(65536., dtype=float32)
+    """
+    if isinstance(opt_state, LossScale):
+        return jax.tree.map(_unwrap_variable, opt_state, is_leaf=_is_variable)
+    if not isinstance(opt_state, tuple | list | dict) and hasattr(
+        opt_state, "opt_state"
+    ):
+        opt_state = opt_state.opt_state
+    found = [
+        x
+        for x in jax.tree.leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScale) or _is_variable(x)
+        )
+        if isinstance(x, LossScale)
+    ]
+    if not found:
+        raise ValueError(
+            "`opt_state` contains no jxs.LossScale. Build the optimizer with "
+            "`jxs.dynamic_scaling(inner)` and pass its state (or a TrainState / "
+            f"nnx.Optimizer holding it); got {type(opt_state).__name__}."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"`opt_state` contains {len(found)} loss scales; expected exactly one. "
+            "Wrap the whole optimizer in a single `jxs.dynamic_scaling`, or pass "
+            "the sub-state you mean."
+        )
+    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, differentiating the *scaled* loss.
+
+    The returned function computes ``fun(*args)``, multiplies the loss by the
+    current scale (:meth:`LossScale.scale`) and differentiates that. It returns
+    the **unscaled** loss (as ``fun`` returned it) and the **scaled** gradients,
+    ready for the ``update`` of :func:`dynamic_scaling`, which unscales them.
+
+    Compute the loss's final reduction in float32 (as torch's autocast does): a
+    float16 loss cannot carry a scale above 65504 through the backward pass (the
+    step overflows and the scale backs off until it fits).
+
+    Args:
+      fun: the loss function; returns a scalar, or ``(scalar, aux)`` with
+        ``has_aux=True``.
+      loss_scale: a :class:`LossScale`, or any state containing one (the
+        optimizer state, a ``TrainState``; see :func:`loss_scale_of`).
+      argnums: which positional argument(s) to differentiate, as in JAX.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function with ``fun``'s signature returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux=True``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> ls = jxs.StaticLossScale.create(1024.0)
+      >>> loss, grads = jxs.value_and_grad(lambda w: jnp.sum(w * w), ls)(jnp.ones(2))
+      >>> loss, grads
+      (Array(2., dtype=float32), Array([2048., 2048.], dtype=float32))
+    """
+    ls = loss_scale_of(loss_scale)
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        return ls.scale(loss), (loss, aux)
+
+    grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped

@@ -1,0 +1,113 @@
+"""Pure pytree helpers: finiteness checks and branch-free selection.
+
+Nothing here knows about loss scales; the other modules build on these.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["all_finite", "is_float_leaf", "select_tree"]
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def is_float_leaf(x: Any) -> bool:
+    """Whether ``x`` is an array (or Python float) of a floating dtype."""
+    if isinstance(x, bool | int):
+        return False
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Returns whether every floating-point element of a pytree is finite.
+
+    Integer, boolean and ``None`` leaves are ignored, so are leaves of other
+    non-floating dtypes; an empty tree is finite. The result is a ``bool[]``
+    array computed on device (no host synchronisation), usable under ``jit``,
+    ``vmap`` and ``lax.scan``.
+
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      ``bool[]``: ``True`` iff no floating leaf holds ``inf``, ``-inf`` or ``NaN``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> jxs.all_finite({"w": jnp.ones(3), "step": jnp.int32(4)})
+      Array(True, dtype=bool)
+      >>> jxs.all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])])
+      Array(False, dtype=bool)
+    """
+    flags = [
+        jnp.all(jnp.isfinite(jnp.asarray(x)))
+        for x in jax.tree.leaves(tree)
+        if is_float_leaf(x)
+    ]
+    if not flags:
+        return jnp.ones((), jnp.bool_)
+    return functools.reduce(jnp.logical_and, flags)
+
+
+def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
+    """Selects between two pytrees of identical structure with one scalar predicate.
+
+    Branch-free (``lax.select`` leaf by leaf), so both trees are computed and the
+    choice is made on device. Leaves must agree in shape and dtype.
+
+    Args:
+      pred: a ``bool[]`` scalar (array or Python bool).
+      on_true: the pytree returned where ``pred`` is true.
+      on_false: a pytree with the same structure, shapes and dtypes.
+
+    Returns:
+      A pytree with the structure of ``on_true``.
+
+    Raises:
+      TypeError: if ``pred`` is not a boolean scalar.
+      ValueError: if the two trees differ in structure, shape or dtype.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> jxs.select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+    pred = jnp.asarray(pred)
+    if pred.dtype != jnp.bool_ or pred.shape != ():
+        raise TypeError(
+            f"`pred` must be a boolean scalar (bool[]), got {pred.dtype}{list(pred.shape)}."
+        )
+    ta, tb = jax.tree.structure(on_true), jax.tree.structure(on_false)
+    if ta != tb:
+        raise ValueError(
+            "`on_true` and `on_false` must have the same tree structure, got "
+            f"{ta} and {tb}."
+        )
+
+    def select(path, a, b):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(
+                f"Leaves at {jax.tree_util.keystr(path)} differ: "
+                f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}; "
+                "`select_tree` needs equal shapes and dtypes."
+            )
+        return lax.select(pred, a, b)
+
+    return jax.tree_util.tree_map_with_path(select, on_true, on_false)
+
+
+def saturating_increment(x: jax.Array) -> jax.Array:
+    """``x + 1`` for an ``int32`` counter, stopping at the largest int32."""
+    return jnp.where(x < _INT32_MAX, x + 1, x)
