@@ -86,7 +86,8 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
     pred = jnp.asarray(pred)
     if pred.dtype != jnp.bool_ or pred.shape != ():
         raise TypeError(
-            f"`pred` must be a boolean scalar (bool[]), got {pred.dtype}{list(pred.shape)}."
+            "`pred` must be a boolean scalar (bool[]), got "
+            f"{pred.dtype}{list(pred.shape)}."
         )
     ta, tb = jax.tree.structure(on_true), jax.tree.structure(on_false)
     if ta != tb:
