@@ -53,7 +53,8 @@ def _real(name: str, value: Any) -> float:
                     f"`{name}` must be a concrete number, got a traced value. Build "
                     "loss scales outside `jax.jit` (configuration is static)."
                 )
-            if not np.issubdtype(np.asarray(value).dtype, np.floating | np.integer):
+            kind = np.asarray(value).dtype.kind
+            if kind not in "fiu":
                 raise TypeError(f"`{name}` must be a real number, got {value!r}.")
             return float(value)
         raise TypeError(f"`{name}` must be a real number, got {value!r}.")

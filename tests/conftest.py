@@ -1,0 +1,39 @@
+"""Strict modes for the whole suite, as equinox's tests do.
+
+* ``jax_numpy_dtype_promotion="strict"``: jaxscale must never rely on implicit
+  promotion (e.g. turning f16 leaves into f32). Some optax optimizers (adam,
+  adafactor) promote implicitly themselves; tests wrap those in :func:`relaxed`,
+  which relaxes promotion *only* while tracing the inner optimizer.
+* ``jax_numpy_rank_promotion="raise"``.
+* 8 CPU devices, so multi-device code is tested on one machine.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` traced under standard dtype promotion (optax's own code needs it)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(updates, state, params=None, **extra):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.fixture
+def relax():
+    return relaxed
