@@ -1,0 +1,164 @@
+"""The docs stay in step with the code: API coverage, examples, build, commands."""
+
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxscale as jxs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+CI_RUN = ROOT / ".ci" / "run"
+
+_AUTODOC = re.compile(r"^\.\. auto(?:class|function|data)::\s+(\S+)", re.MULTILINE)
+
+
+def _documented_names() -> list[str]:
+    return _AUTODOC.findall((DOCS / "api.rst").read_text())
+
+
+def _fenced_blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under a ``## heading`` of a Markdown file, up to the next one."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"README.md has no '## {heading}' section."
+    return match.group(1)
+
+
+def _readme_commands() -> dict[str, str]:
+    """The commands of the README's "Two commands" section, keyed Demo / Tests."""
+    section = _section(README.read_text(), "Two commands")
+    commands = {}
+    for label, body in re.findall(
+        r"^(\w+):\n\n```sh\n(.*?)\n```", section, re.M | re.S
+    ):
+        commands[label] = body.strip()
+    return commands
+
+
+def test_all_is_sorted():
+    assert jxs.__all__ == sorted(jxs.__all__)
+    assert len(set(jxs.__all__)) == len(jxs.__all__)
+
+
+def test_every_public_name_is_in_api_rst():
+    documented = _documented_names()
+    missing = sorted(set(jxs.__all__) - set(documented))
+    assert not missing, f"docs/api.rst does not document {missing}."
+    unknown = sorted(set(documented) - set(jxs.__all__))
+    assert not unknown, f"docs/api.rst documents non-public names {unknown}."
+    duplicated = sorted({n for n in documented if documented.count(n) > 1})
+    assert not duplicated, f"docs/api.rst documents {duplicated} twice."
+
+
+@pytest.mark.parametrize("name", jxs.__all__)
+def test_public_name_has_runnable_example(name):
+    doc = inspect.getdoc(getattr(jxs, name))
+    assert doc, f"jxs.{name} has no docstring."
+    assert ">>> import jaxscale as jxs" in doc, (
+        f"The docstring of jxs.{name} has no example starting with "
+        "'>>> import jaxscale as jxs'."
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("sphinx") is None
+    or importlib.util.find_spec("myst_parser") is None,
+    reason="sphinx and myst-parser are not installed (pip install -e '.[docs]').",
+)
+def test_sphinx_build_has_no_warnings(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-q",
+        "-b",
+        "html",
+        "-d",
+        str(tmp_path / "doctrees"),
+        str(DOCS),
+        str(tmp_path / "html"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"sphinx-build -W failed:\n{proc.stdout}{proc.stderr}"
+    assert (tmp_path / "html" / "api.html").is_file()
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = _readme_commands()
+    assert set(commands) == {"Demo", "Tests"}, commands
+    assert "pytest" in commands["Tests"]
+    ci_lines = [
+        line.strip()
+        for line in CI_RUN.read_text().splitlines()
+        if line.strip().startswith("python3 -m venv")
+    ]
+    assert ci_lines == [commands["Tests"]], (
+        ".ci/run must run exactly the README's test command:\n"
+        f"  README: {commands['Tests']}\n  .ci/run: {ci_lines}"
+    )
+
+
+def test_ci_run_is_executable_and_strict():
+    text = CI_RUN.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    assert "rm -rf .venv" in text
+    assert CI_RUN.stat().st_mode & 0o111, ".ci/run is not executable."
+
+
+def test_readme_demo_command_runs_an_existing_example():
+    demo = _readme_commands()["Demo"]
+    scripts = re.findall(r"\S+\.py\b", demo)
+    assert scripts, demo
+    for script in scripts:
+        assert (ROOT / script).is_file(), f"README's demo runs missing {script}."
+
+
+def test_readme_links_exist():
+    text = README.read_text()
+    targets = [t for t in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in t]
+    assert targets
+    for target in targets:
+        assert (ROOT / target).exists(), f"README.md links to missing {target}."
+
+
+def test_readme_quickstart_runs(tmp_path):
+    blocks = _fenced_blocks(_section(README.read_text(), "Quickstart"), "python")
+    assert len(blocks) == 1, "README's Quickstart should have one python block."
+    script = tmp_path / "readme_quickstart.py"
+    script.write_text(blocks[0])
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loss scale" in proc.stdout
+
+
+def test_quickstart_guide_quotes_the_example():
+    """Every python excerpt in docs/quickstart.md is taken from the script."""
+    script = (ROOT / "examples" / "quickstart.py").read_text()
+    script_lines = {line.strip() for line in script.splitlines()}
+    blocks = _fenced_blocks((DOCS / "quickstart.md").read_text(), "python")
+    assert blocks
+    for block in blocks:
+        for line in block.splitlines():
+            assert not line.strip() or line.strip() in script_lines, (
+                f"docs/quickstart.md quotes a line that examples/quickstart.py "
+                f"does not have: {line.strip()!r}"
+            )

@@ -1,0 +1,52 @@
+"""Every script in examples/ runs to completion with a small ``--steps``."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = sorted(EXAMPLES.glob("*.py"))
+
+
+def _run(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    # A headless matplotlib backend, in case an example draws a plot.
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _check_quickstart(out: str) -> None:
+    assert "loss scale" in out
+    # The scale starts at 2**24 and visibly backs off on the first steps.
+    assert "step     1" in out
+    summary = out.strip().splitlines()[-1]
+    match = re.search(r"final loss scale (\S+) .* (\d+) of 30 steps skipped", summary)
+    assert match, summary
+    assert float(match.group(1)) < 2.0**24
+    assert int(match.group(2)) >= 1
+
+
+# Extra checks of an example's output, by file name.
+CHECKS = {"quickstart.py": _check_quickstart}
+
+
+def test_there_are_examples():
+    assert EXAMPLES / "quickstart.py" in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_example_runs(script, tmp_path):
+    proc = _run(script, "--steps", "30", cwd=tmp_path)
+    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}{proc.stderr}"
+    if script.name in CHECKS:
+        CHECKS[script.name](proc.stdout)
