@@ -384,6 +384,10 @@ class DynamicLossScale(LossScale):
     ``torch.amp.GradScaler.update`` (``_amp_update_scale_``): growth on the
     ``growth_interval``-th consecutive finite step, a growth that would overflow
     float32 is dropped while the tracker still resets, every overflow halves.
+    The product is rounded to float32 once; torch forms it in float64 from the
+    *exact* Python factor, so the two agree bit for bit whenever the factors are
+    float32 numbers (2, 3, 1.5, 0.5, 0.25, ...) and may differ by one ulp of the
+    scale for factors such as 1.1 or 0.3 that float32 cannot hold.
 
     **Hysteresis** (``hysteresis=n``, from DeepSpeed and Megatron-LM): the first
     ``n - 1`` *consecutive* overflows skip the step without backing off; the
