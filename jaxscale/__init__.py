@@ -5,16 +5,22 @@ optax transformation that unscales gradients, skips non-finite steps and adjusts
 the scale, all inside XLA.
 """
 
+from jaxscale._checkpoint import (
+    register_flax_serialization as register_flax_serialization,
+)
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
 from jaxscale._loss_scale import StaticLossScale as StaticLossScale
+from jaxscale._torch_interop import from_torch_state_dict as from_torch_state_dict
+from jaxscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 from jaxscale._transform import DynamicScalingState as DynamicScalingState
 from jaxscale._transform import dynamic_scaling as dynamic_scaling
 from jaxscale._transform import loss_scale_of as loss_scale_of
 from jaxscale._transform import value_and_grad as value_and_grad
 from jaxscale._tree import all_finite as all_finite
 from jaxscale._tree import select_tree as select_tree
+from jaxscale._validate import validate_state as validate_state
 
 __version__ = "0.1.0"
 
@@ -26,7 +32,11 @@ __all__ = [
     "StaticLossScale",
     "all_finite",
     "dynamic_scaling",
+    "from_torch_state_dict",
     "loss_scale_of",
+    "register_flax_serialization",
     "select_tree",
+    "to_torch_state_dict",
+    "validate_state",
     "value_and_grad",
 ]

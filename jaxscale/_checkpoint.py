@@ -1,0 +1,120 @@
+"""Checkpointing with ``flax.serialization``: state dicts for the loss scales.
+
+orbax-checkpoint needs nothing from jaxscale: the loss scales are registered
+pytrees, so orbax saves their array leaves and rebuilds the static configuration
+from the abstract target. ``flax.serialization`` instead walks objects through its
+own registry, which jaxscale fills on request (:func:`register_flax_serialization`),
+so that ``import jaxscale`` never imports Flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+
+__all__ = ["register_flax_serialization"]
+
+_CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
+
+
+def _data_fields(cls: type) -> tuple[str, ...]:
+    """The array (non-static) fields of a registered loss-scale dataclass."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if not f.metadata.get("static", False)
+    )
+
+
+def _to_state_dict(loss_scale: Any) -> dict[str, Any]:
+    from flax import serialization
+
+    return {
+        name: serialization.to_state_dict(getattr(loss_scale, name))
+        for name in _data_fields(type(loss_scale))
+    }
+
+
+def _from_state_dict(target: Any, state: Any) -> Any:
+    from flax import serialization
+
+    cls = type(target)
+    expected = _data_fields(cls)
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"The state of a jxs.{cls.__name__} at {serialization.current_path()} "
+            f"must be a dict with keys {sorted(expected)}, got "
+            f"{type(state).__name__}."
+        )
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        # Never fill a missing counter with a default (NeMo's misspelled key reset
+        # its hysteresis tracker silently): a checkpoint either matches or fails.
+        raise ValueError(
+            f"The state of a jxs.{cls.__name__} at {serialization.current_path()} "
+            f"must have exactly the keys {sorted(expected)}; missing {missing}, "
+            f"unexpected {unknown}. Restore against a target built by the same "
+            "kind of loss scale (e.g. `tx.init(params)`)."
+        )
+    values = {
+        name: serialization.from_state_dict(
+            getattr(target, name), state[name], name=name
+        )
+        for name in expected
+    }
+    return dataclasses.replace(target, **values)
+
+
+def register_flax_serialization() -> None:
+    """Teaches ``flax.serialization`` to save and restore jaxscale's loss scales.
+
+    ``flax.serialization`` (``to_state_dict``, ``from_state_dict``,
+    ``to_bytes``, ``from_bytes``, ``msgpack_serialize``) only walks types in its
+    own registry; without this call ``to_bytes`` of a state holding a
+    :class:`DynamicLossScale` raises ``TypeError: can not serialize``. jaxscale
+    does not import Flax on ``import jaxscale``, so the registration is a call you
+    make once, before the first (de)serialisation. It is idempotent.
+
+    What is saved: the array fields only, by name (``loss_scale``,
+    ``growth_tracker``, ``hysteresis_tracker`` for :class:`DynamicLossScale`;
+    ``loss_scale`` for :class:`StaticLossScale`; nothing for
+    :class:`NoOpLossScale`). The static configuration (``growth_interval``,
+    ``hysteresis``, bounds...) is code, not state: ``from_state_dict`` and
+    ``from_bytes`` take it from the *target* (e.g. ``tx.init(params)``), exactly
+    as orbax does with an abstract target. A state dict with a missing or an
+    unexpected key is rejected with a ``ValueError``, never filled with defaults.
+    Restored leaves are the stored arrays as they come out of msgpack (NumPy);
+    run :func:`validate_state` on the result to check them against the
+    configuration (e.g. a tracker from a run with a longer ``growth_interval``).
+
+    orbax-checkpoint needs no registration.
+
+    Raises:
+      ImportError: if Flax is not installed.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import serialization
+      >>> jxs.register_flax_serialization()
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)[1]
+      >>> data = serialization.to_bytes(state)
+      >>> restored = serialization.from_bytes(tx.init({"w": jnp.zeros(2)}), data)
+      >>> restored = jxs.validate_state(restored)
+      >>> float(restored.loss_scale.loss_scale), int(restored.skipped_steps)
+      (32768.0, 1)
+    """
+    try:
+        from flax import serialization
+    except ImportError as e:  # pragma: no cover - flax is a test dependency
+        raise ImportError(
+            "`jxs.register_flax_serialization()` needs Flax: pip install flax. "
+            "(orbax-checkpoint works without it.)"
+        ) from e
+    for cls in _CLASSES:
+        serialization.register_serialization_state(
+            cls, _to_state_dict, _from_state_dict, override=True
+        )
