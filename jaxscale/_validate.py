@@ -27,6 +27,7 @@ __all__ = ["validate_state"]
 
 _I32 = np.iinfo(np.int32)
 _COUNTERS = ("steps", "skipped_steps", "consecutive_skips")
+_DIAGNOSTIC_COUNTERS = ("steps_at_floor",)
 
 
 class _Checker:
@@ -216,6 +217,18 @@ def _validate_scaling_state(state: DynamicScalingState, c: _Checker) -> Any:
         if changed:
             updates[field] = jnp.asarray(x, jnp.int32)
         upper, upper_name = x, field
+    # Diagnostics counters (present in newer states): each in [0, steps].
+    steps = int(updates.get("steps", np.asarray(state.steps)))
+    for field in _DIAGNOSTIC_COUNTERS:
+        if getattr(state, field, None) is None:
+            continue
+        rule = f"in [0, steps] = [0, {steps}]"
+        x, changed = _check_int(c, field, getattr(state, field), 0, steps, rule)
+        if changed:
+            updates[field] = jnp.asarray(x, jnp.int32)
+    flags = getattr(state, "nonfinite_leaves", None)
+    if flags is not None:
+        updates.update(_check_flags(c, flags))
     last, cast = c.scalar("last_step_finite", state.last_step_finite, np.bool_)
     expected = upper == 0  # consecutive_skips == 0
     if cast or last != expected:
@@ -228,6 +241,21 @@ def _validate_scaling_state(state: DynamicScalingState, c: _Checker) -> Any:
             )
         updates["last_step_finite"] = jnp.asarray(expected, jnp.bool_)
     return state._replace(**updates) if updates else state
+
+
+def _check_flags(c: _Checker, flags: Any) -> dict[str, Any]:
+    """``nonfinite_leaves``: a ``bool[]`` flag per gradient leaf."""
+    changed = False
+
+    def leaf(path: Any, x: Any) -> Any:
+        nonlocal changed
+        field = f"nonfinite_leaves{jax.tree_util.keystr(path)}"
+        value, cast = c.scalar(field, x, np.bool_)
+        changed |= cast
+        return jnp.asarray(value, jnp.bool_) if cast else x
+
+    out = jax.tree_util.tree_map_with_path(leaf, flags)
+    return {"nonfinite_leaves": out} if changed else {}
 
 
 def _is_ours(x: Any) -> bool:
@@ -253,8 +281,9 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
       ``[1, hysteresis]`` (a checkpoint written under another configuration can
       break these: the configuration comes from your code, the values from the
       checkpoint);
-    * counters: ``0 <= consecutive_skips <= skipped_steps <= steps`` and
-      ``last_step_finite == (consecutive_skips == 0)``.
+    * counters: ``0 <= consecutive_skips <= skipped_steps <= steps``,
+      ``0 <= steps_at_floor <= steps``, ``last_step_finite == (consecutive_skips
+      == 0)``, and every ``nonfinite_leaves`` flag (if tracked) ``bool[]``.
 
     With ``repair=True`` these documented repairs are made instead, each reported
     in one ``UserWarning``:
