@@ -8,6 +8,13 @@ the scale, all inside XLA.
 from jaxscale._checkpoint import (
     register_flax_serialization as register_flax_serialization,
 )
+from jaxscale._diagnostics import UnderflowReport as UnderflowReport
+from jaxscale._diagnostics import layer_norms as layer_norms
+from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
+from jaxscale._diagnostics import summary as summary
+from jaxscale._diagnostics import underflow_report as underflow_report
+from jaxscale._hooks import OverflowEvent as OverflowEvent
+from jaxscale._hooks import ScaleAtFloorWarning as ScaleAtFloorWarning
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
@@ -29,14 +36,21 @@ __all__ = [
     "DynamicScalingState",
     "LossScale",
     "NoOpLossScale",
+    "OverflowEvent",
+    "ScaleAtFloorWarning",
     "StaticLossScale",
+    "UnderflowReport",
     "all_finite",
     "dynamic_scaling",
     "from_torch_state_dict",
+    "layer_norms",
     "loss_scale_of",
+    "nonfinite_paths",
     "register_flax_serialization",
     "select_tree",
+    "summary",
     "to_torch_state_dict",
+    "underflow_report",
     "validate_state",
     "value_and_grad",
 ]

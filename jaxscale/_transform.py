@@ -12,6 +12,7 @@ import optax
 from jax import lax
 from optax import OptState, Params, Updates
 
+from jaxscale import _hooks
 from jaxscale._loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -40,6 +41,13 @@ class DynamicScalingState(NamedTuple):
       consecutive_skips: ``i32[]``, length of the current run of skipped steps.
       last_step_finite: ``bool[]``, whether the last step was applied (``True``
         before the first step).
+      steps_at_floor: ``i32[]``, consecutive steps after which the scale sat at
+        its floor (``min_scale`` of a :class:`DynamicLossScale`; always 0 for
+        other kinds). Many in a row mean training diverges.
+      nonfinite_leaves: ``None``, unless built with ``track_nonfinite=True``:
+        then ``bool[]`` flags in the structure of the gradients, true for each
+        leaf that was non-finite (after unscaling) on the last step; see
+        :func:`nonfinite_paths`.
 
     Examples:
       >>> import jaxscale as jxs
@@ -55,6 +63,8 @@ class DynamicScalingState(NamedTuple):
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     last_step_finite: jax.Array
+    steps_at_floor: jax.Array
+    nonfinite_leaves: Any = None
 
 
 def _fresh_copy_factory(loss_scale: LossScale) -> Callable[[], LossScale]:
@@ -107,6 +117,10 @@ def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
 def dynamic_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
+    *,
+    track_nonfinite: bool = False,
+    on_overflow: Callable[[_hooks.OverflowEvent], Any] | None = None,
+    warn_at_floor_after: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling: unscale, skip on overflow, adjust.
 
@@ -131,19 +145,36 @@ def dynamic_scaling(
     x64) are unscaled in their own dtype (see :meth:`LossScale.unscale`); integer
     and ``None`` leaves pass through to ``inner`` untouched.
 
+    The diagnostics (``track_nonfinite``, ``on_overflow``,
+    ``warn_at_floor_after``) are decided when the transformation is built: with
+    all of them off, the default, none of their code is traced and the compiled
+    step is the plain one. See the diagnostics guide.
+
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``) to protect.
       loss_scale: the initial :class:`LossScale`; default
         ``DynamicLossScale.create()`` (init ``2**16``, torch's defaults).
         ``NoOpLossScale`` keeps only the skipping of non-finite steps.
+      track_nonfinite: keep, in ``nonfinite_leaves``, one ``bool[]`` flag per
+        gradient leaf: was it non-finite on the last step
+        (:func:`nonfinite_paths` names them). Off by default.
+      on_overflow: ``None`` (default), or a function called on the host, through
+        ``jax.debug.callback``, on every skipped step and only then, with an
+        :class:`OverflowEvent` (step, scale, offending leaf paths).
+      warn_at_floor_after: ``None`` (default), or ``n >= 1``: warn
+        (:class:`ScaleAtFloorWarning`, through ``jax.debug.callback``) once the
+        scale has sat at its floor for ``n`` consecutive steps. Needs a
+        :class:`DynamicLossScale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
       ``update`` are forwarded to ``inner``.
 
     Raises:
-      TypeError: if ``inner`` is not a transformation or ``loss_scale`` not a
-        :class:`LossScale`.
+      TypeError: if ``inner`` is not a transformation, ``loss_scale`` not a
+        :class:`LossScale`, or a diagnostic option has the wrong type.
+      ValueError: if ``warn_at_floor_after`` is < 1 or given without a
+        :class:`DynamicLossScale`.
 
     Examples:
       >>> import jaxscale as jxs
@@ -173,6 +204,9 @@ def dynamic_scaling(
             "`loss_scale` must be a jxs.LossScale (e.g. "
             f"jxs.DynamicLossScale.create()), got {type(loss_scale).__name__}."
         )
+    diagnostics = _hooks.make_options(
+        loss_scale, track_nonfinite, on_overflow, warn_at_floor_after
+    )
     inner = optax.with_extra_args_support(inner)
     fresh_loss_scale = _fresh_copy_factory(loss_scale)
 
@@ -184,6 +218,8 @@ def dynamic_scaling(
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_step_finite=jnp.ones((), jnp.bool_),
+            steps_at_floor=jnp.zeros((), jnp.int32),
+            nonfinite_leaves=_hooks.no_flags(params) if track_nonfinite else None,
         )
 
     def update_fn(
@@ -209,8 +245,9 @@ def dynamic_scaling(
         new_updates, new_inner = lax.cond(
             finite, apply, skip, (updates, state.inner_state)
         )
+        new_ls = ls.adjust(finite)
         new_state = DynamicScalingState(
-            loss_scale=ls.adjust(finite),
+            loss_scale=new_ls,
             inner_state=new_inner,
             steps=saturating_increment(state.steps),
             skipped_steps=jnp.where(
@@ -220,7 +257,12 @@ def dynamic_scaling(
                 finite, 0, saturating_increment(state.consecutive_skips)
             ).astype(jnp.int32),
             last_step_finite=finite,
+            steps_at_floor=_hooks.count_at_floor(new_ls, state.steps_at_floor),
         )
+        if diagnostics is not None:
+            new_state = _hooks.diagnose(
+                diagnostics, updates, state, new_state, finite, hi, lo
+            )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,477 @@
+"""Diagnostics: on-device counters, overflowing leaves, underflow analysis, norms.
+
+Everything here is jit-safe and returns device arrays (no host synchronisation),
+except :func:`nonfinite_paths`, which turns flags into names on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale._hooks import leaf_names, path_name
+from jaxscale._loss_scale import DynamicLossScale, LossScale
+from jaxscale._transform import (
+    DynamicScalingState,
+    _is_variable,
+    _unwrap_variable,
+    loss_scale_of,
+)
+from jaxscale._tree import is_float_leaf
+
+__all__ = [
+    "UnderflowReport",
+    "layer_norms",
+    "nonfinite_paths",
+    "summary",
+    "underflow_report",
+]
+
+_F32 = jnp.float32
+# Powers of two a float32 loss scale can take and stay normal.
+_MIN_EXP, _MAX_EXP = -126, 127
+
+
+def _scaling_state_of(opt_state: Any, name: str = "opt_state") -> DynamicScalingState:
+    """Finds the one :class:`DynamicScalingState` in a nested optimizer state."""
+    if isinstance(opt_state, DynamicScalingState):
+        found = [opt_state]
+    else:
+        if not isinstance(opt_state, tuple | list | dict) and hasattr(
+            opt_state, "opt_state"
+        ):
+            opt_state = opt_state.opt_state
+        found = [
+            x
+            for x in jax.tree.leaves(
+                opt_state,
+                is_leaf=lambda x: isinstance(x, DynamicScalingState) or _is_variable(x),
+            )
+            if isinstance(x, DynamicScalingState)
+        ]
+    if not found:
+        raise ValueError(
+            f"`{name}` contains no jxs.DynamicScalingState. Build the optimizer "
+            "with `jxs.dynamic_scaling(inner)` and pass its state (or a TrainState "
+            f"/ nnx.Optimizer holding it); got {type(opt_state).__name__}."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"`{name}` contains {len(found)} jxs.DynamicScalingState; expected "
+            "exactly one. Pass the sub-state you mean."
+        )
+    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
+
+
+def summary(opt_state: Any) -> dict[str, jax.Array]:
+    """The counters of :func:`dynamic_scaling` as a flat dict, for loggers.
+
+    Reads device arrays only: no host synchronisation and no transfer, inside or
+    outside ``jit``. The transfer happens when the caller converts a value
+    (``float(...)``, ``jax.device_get``), e.g. every ``log_every`` steps.
+
+    Keys (every value a scalar array):
+
+    * ``steps`` (``i32``): update calls so far.
+    * ``skipped_steps`` (``i32``): of which skipped for a non-finite gradient.
+    * ``consecutive_skips`` (``i32``): length of the current run of skips.
+    * ``last_step_finite`` (``bool``): whether the last step was applied.
+    * ``steps_at_floor`` (``i32``): consecutive steps ending with the scale at
+      its floor (``min_scale``); always 0 for a static scale.
+    * ``loss_scale`` (``f32``): the scale for the next step.
+    * ``growth_tracker``, ``hysteresis_tracker`` (``i32``): only for a
+      :class:`DynamicLossScale`.
+    * ``nonfinite_leaves`` (``i32``): only with ``track_nonfinite=True``, how
+      many gradient leaves were non-finite on the last step.
+
+    Args:
+      opt_state: the state of :func:`dynamic_scaling`, or any state (``chain``,
+        ``MultiSteps``, ``TrainState``, ``nnx.Optimizer``) holding exactly one.
+
+    Returns:
+      A ``dict`` from the names above to scalar ``jax.Array`` values.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no :class:`DynamicScalingState`, or
+        several.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.array([jnp.nan, 0.0]), state)
+      >>> logs = {k: v.item() for k, v in jxs.summary(state).items()}
+      >>> for key, value in logs.items():
+      ...     print(f"{key}: {value}")
+      steps: 1
+      skipped_steps: 1
+      consecutive_skips: 1
+      last_step_finite: False
+      steps_at_floor: 0
+      loss_scale: 32768.0
+      growth_tracker: 0
+      hysteresis_tracker: 1
+    """
+    state = _scaling_state_of(opt_state)
+    ls = state.loss_scale
+    out = {
+        "steps": state.steps,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_step_finite": state.last_step_finite,
+        "steps_at_floor": state.steps_at_floor,
+        "loss_scale": ls.loss_scale,
+    }
+    if isinstance(ls, DynamicLossScale):
+        out["growth_tracker"] = ls.growth_tracker
+        out["hysteresis_tracker"] = ls.hysteresis_tracker
+    if state.nonfinite_leaves is not None:
+        flags = jax.tree.leaves(state.nonfinite_leaves)
+        count = jnp.zeros((), jnp.int32)
+        for f in flags:
+            count = count + f.astype(jnp.int32)
+        out["nonfinite_leaves"] = count
+    return out
+
+
+def nonfinite_paths(flags_or_state: Any) -> list[str]:
+    """Names of the gradient leaves that were non-finite on the last step.
+
+    Works with :func:`dynamic_scaling` built with ``track_nonfinite=True``,
+    whose state keeps one ``bool[]`` flag per gradient leaf in
+    ``nonfinite_leaves``. Names are key paths joined by ``/``, e.g.
+    ``"encoder/layers/0/kernel"`` (``"<root>"`` for a tree that is one array).
+    This reads the flags, so it synchronises with the device: call it on the
+    host, e.g. when ``jxs.summary(state)["last_step_finite"]`` is false.
+
+    Args:
+      flags_or_state: a pytree of ``bool[]`` flags, or an optimizer state
+        holding a :class:`DynamicScalingState` built with ``track_nonfinite``.
+
+    Returns:
+      The names of the flagged leaves, in tree order (empty after a finite step).
+
+    Raises:
+      ValueError: if the state was built without ``track_nonfinite=True``.
+      TypeError: if called on traced values (inside ``jit``), or if a flag is
+        not a boolean scalar.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), track_nonfinite=True)
+      >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}}
+      >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.ones(1)}}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> jxs.nonfinite_paths(state)
+      ['dense/kernel']
+    """
+    flags = flags_or_state
+    holds_state = hasattr(flags_or_state, "opt_state") or any(
+        isinstance(x, DynamicScalingState)
+        for x in jax.tree.leaves(
+            flags_or_state, is_leaf=lambda x: isinstance(x, DynamicScalingState)
+        )
+    )
+    if holds_state:
+        state = _scaling_state_of(flags_or_state, "flags_or_state")
+        if state.nonfinite_leaves is None:
+            raise ValueError(
+                "`flags_or_state` holds no per-leaf flags: build the optimizer with "
+                "`jxs.dynamic_scaling(inner, track_nonfinite=True)`."
+            )
+        flags = state.nonfinite_leaves
+    names = leaf_names(flags)
+    out = []
+    for name, f in zip(names, jax.tree.leaves(flags), strict=True):
+        if isinstance(f, jax.core.Tracer):
+            raise TypeError(
+                "`flags_or_state` must hold concrete flags; `nonfinite_paths` reads "
+                "them on the host and cannot run inside `jax.jit`. Return the state "
+                "(or its `nonfinite_leaves`) from the step and call it outside."
+            )
+        f = np.asarray(f)
+        if f.dtype != np.bool_ or f.shape != ():
+            raise TypeError(
+                f"`flags_or_state` leaf {name!r} must be a boolean scalar flag, got "
+                f"{f.dtype}{list(f.shape)}."
+            )
+        if bool(f):
+            out.append(name)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Underflow analysis
+# --------------------------------------------------------------------------- #
+
+
+class UnderflowReport(NamedTuple):
+    """What :func:`underflow_report` finds; every field an ``f32[]`` array.
+
+    Fractions are over every element of every floating leaf; elements that are
+    already zero, ``inf`` or ``NaN`` in the input never count as flushed,
+    subnormal or overflowed.
+
+    Attributes:
+      loss_scale: the scale analysed (1 when none was given).
+      zero_fraction_unscaled: fraction of elements that become 0 when cast to
+        the half dtype without scaling.
+      subnormal_fraction_unscaled: fraction that become subnormal (precision
+        lost) without scaling.
+      zero_fraction: fraction that become 0 at ``loss_scale``.
+      subnormal_fraction: fraction that become subnormal at ``loss_scale``.
+      overflow_fraction: fraction that become ``inf`` at ``loss_scale``.
+      max_abs: the largest finite magnitude.
+      min_nonzero_abs: the smallest non-zero finite magnitude (``inf`` if none).
+      headroom_log2: ``log2(dtype max / (max_abs * loss_scale))``: how many
+        doublings of the scale the largest element still tolerates (negative:
+        it overflows; ``inf`` for an all-zero tree).
+      init_scale_low: the smallest power of two at which the smallest non-zero
+        element is a normal number of the half dtype.
+      init_scale_high: the largest power of two at which the largest element
+        does not overflow. If ``low > high`` no scale fits the whole range:
+        prefer ``high`` (nothing overflows) and accept the zeros it leaves.
+    """
+
+    loss_scale: jax.Array
+    zero_fraction_unscaled: jax.Array
+    subnormal_fraction_unscaled: jax.Array
+    zero_fraction: jax.Array
+    subnormal_fraction: jax.Array
+    overflow_fraction: jax.Array
+    max_abs: jax.Array
+    min_nonzero_abs: jax.Array
+    headroom_log2: jax.Array
+    init_scale_low: jax.Array
+    init_scale_high: jax.Array
+
+
+def _half_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(
+            "`dtype` must be a floating dtype such as jnp.float16 or jnp.bfloat16, "
+            f"got {dtype!r}."
+        )
+    return dt
+
+
+def _scale_value(loss_scale: Any) -> jax.Array:
+    if loss_scale is None:
+        return jnp.ones((), _F32)
+    if isinstance(loss_scale, bool):
+        raise TypeError(
+            f"`loss_scale` must be a number or a state, got {loss_scale!r}."
+        )
+    if isinstance(loss_scale, int | float | np.ndarray | np.generic | jax.Array):
+        s = jnp.asarray(loss_scale)
+        if s.shape != () or not (
+            jnp.issubdtype(s.dtype, jnp.floating)
+            or jnp.issubdtype(s.dtype, jnp.integer)
+        ):
+            raise TypeError(
+                "`loss_scale` must be a real scalar, a jxs.LossScale or an optimizer "
+                f"state holding one, got {s.dtype}{list(s.shape)}."
+            )
+        return s.astype(_F32)
+    if isinstance(loss_scale, LossScale):
+        return jnp.asarray(loss_scale.loss_scale, _F32)
+    return jnp.asarray(loss_scale_of(loss_scale).loss_scale, _F32)
+
+
+def _pow2_at_most(x: jax.Array, limit: float) -> jax.Array:
+    """The largest ``2**k`` (k in [-126, 127]) with ``x * 2**k <= limit``."""
+    k = jnp.floor(jnp.log2(jnp.float32(limit)) - jnp.log2(x)).astype(jnp.int32)
+    k = jnp.clip(k, _MIN_EXP, _MAX_EXP)
+    k = jnp.where(x * jnp.ldexp(_F32(1), k) > limit, k - 1, k)
+    k = jnp.where(x * jnp.ldexp(_F32(1), k + 1) <= limit, k + 1, k)
+    k = jnp.clip(k, _MIN_EXP, _MAX_EXP)
+    return jnp.where(x > 0, jnp.ldexp(_F32(1), k), jnp.ldexp(_F32(1), _MAX_EXP))
+
+
+def _pow2_at_least(x: jax.Array, limit: float) -> jax.Array:
+    """The smallest ``2**k`` (k in [-126, 127]) with ``x * 2**k >= limit``."""
+    finite = jnp.isfinite(x)
+    safe = jnp.where(finite, x, _F32(1))
+    k = jnp.ceil(jnp.log2(jnp.float32(limit)) - jnp.log2(safe)).astype(jnp.int32)
+    k = jnp.clip(k, _MIN_EXP, _MAX_EXP)
+    k = jnp.where(safe * jnp.ldexp(_F32(1), k) < limit, k + 1, k)
+    k = jnp.where(safe * jnp.ldexp(_F32(1), k - 1) >= limit, k - 1, k)
+    k = jnp.clip(k, _MIN_EXP, _MAX_EXP)
+    return jnp.where(finite, jnp.ldexp(_F32(1), k), jnp.ldexp(_F32(1), _MIN_EXP))
+
+
+def underflow_report(
+    grads: Any, dtype: Any = jnp.float16, loss_scale: Any = None
+) -> UnderflowReport:
+    """How a gradient tree fares in a half dtype, with and without a loss scale.
+
+    Pass *true* (unscaled) gradients, e.g. from a float32 reference run of the
+    same model. Each floating element is multiplied by the scale in float32 and
+    cast to ``dtype`` (the rounding XLA really does), and the report says what
+    fraction flushes to zero, becomes subnormal or overflows, how much headroom
+    the largest element has, and which power-of-two ``init_scale`` range keeps
+    the smallest element normal without overflowing the largest. Parameter
+    gradients stand in for the activation gradients of the backward pass, which
+    usually span a similar range.
+
+    Jit-safe: every field is an ``f32[]`` device array.
+
+    Args:
+      grads: a pytree of gradients; non-floating and ``None`` leaves are ignored.
+      dtype: the half dtype to analyse, e.g. ``jnp.float16`` or ``jnp.bfloat16``.
+      loss_scale: the scale to analyse: a number, a :class:`LossScale`, or an
+        optimizer state holding one (its current scale); default 1.
+
+    Returns:
+      An :class:`UnderflowReport`.
+
+    Raises:
+      TypeError: if ``dtype`` is not a floating dtype or ``loss_scale`` not a
+        real scalar or state.
+      ValueError: if ``loss_scale`` is a state without a loss scale.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> grads = {"w": jnp.array([1e-9, 1e-6, 1e-3, 1.0])}
+      >>> r = jxs.underflow_report(grads, jnp.float16, loss_scale=2.0**10)
+      >>> float(r.zero_fraction_unscaled), float(r.subnormal_fraction_unscaled)
+      (0.25, 0.25)
+      >>> float(r.zero_fraction), float(r.subnormal_fraction)
+      (0.0, 0.25)
+      >>> float(r.init_scale_low), float(r.init_scale_high)
+      (65536.0, 32768.0)
+    """
+    dt = _half_dtype(dtype)
+    scale = _scale_value(loss_scale)
+    info = jnp.finfo(dt)
+    tiny, big = float(info.smallest_normal), float(info.max)
+
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(grads) if is_float_leaf(x)]
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    zero = jnp.zeros((), _F32)
+    counts = {k: zero for k in ("z0", "s0", "z", "s", "o")}
+    max_abs, min_nz = zero, jnp.full((), jnp.inf, _F32)
+
+    def classify(xf, s):
+        y = (xf * s).astype(dt).astype(_F32)
+        candidate = (xf != 0) & jnp.isfinite(xf)
+        z = candidate & (y == 0)
+        sub = (y != 0) & (jnp.abs(y) < tiny)
+        over = candidate & ~jnp.isfinite(y)
+        return z, sub, over
+
+    def count(mask):
+        return jnp.sum(mask, dtype=jnp.int32).astype(_F32)
+
+    one = jnp.ones((), _F32)
+    for x in leaves:
+        if x.size == 0:
+            continue
+        xf = x.astype(_F32)
+        z0, s0, _ = classify(xf, one)
+        z, s, o = classify(xf, scale)
+        for key, mask in zip("z0 s0 z s o".split(), (z0, s0, z, s, o), strict=True):
+            counts[key] = counts[key] + count(mask)
+        a = jnp.abs(xf)
+        good = jnp.isfinite(a)
+        max_abs = jnp.maximum(max_abs, jnp.max(jnp.where(good, a, 0)))
+        min_nz = jnp.minimum(min_nz, jnp.min(jnp.where(good & (a > 0), a, jnp.inf)))
+    denom = _F32(max(total, 1))
+    frac = {k: v / denom for k, v in counts.items()}
+    headroom = jnp.where(
+        max_abs > 0,
+        jnp.log2(_F32(big))
+        - jnp.log2(jnp.where(max_abs > 0, max_abs, 1))
+        - jnp.log2(scale),
+        jnp.inf,
+    )
+    return UnderflowReport(
+        loss_scale=scale,
+        zero_fraction_unscaled=frac["z0"],
+        subnormal_fraction_unscaled=frac["s0"],
+        zero_fraction=frac["z"],
+        subnormal_fraction=frac["s"],
+        overflow_fraction=frac["o"],
+        max_abs=max_abs,
+        min_nonzero_abs=min_nz,
+        headroom_log2=headroom.astype(_F32),
+        init_scale_low=_pow2_at_least(min_nz, tiny),
+        init_scale_high=_pow2_at_most(max_abs, big),
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Per-layer norms
+# --------------------------------------------------------------------------- #
+
+
+def _robust_norm(parts: list[jax.Array]) -> jax.Array:
+    """``sqrt(sum(x**2))`` over several f32 arrays, without overflowing f32."""
+    m = jnp.zeros((), _F32)
+    for p in parts:
+        m = jnp.maximum(m, jnp.max(jnp.abs(p)) if p.size else _F32(0))
+    safe = jnp.where(jnp.isfinite(m) & (m > 0), m, _F32(1))
+    ssq = jnp.zeros((), _F32)
+    for p in parts:
+        if p.size:
+            ssq = ssq + jnp.sum(jnp.square(p / safe))
+    norm = safe * jnp.sqrt(ssq)
+    return jnp.where(jnp.isfinite(m), jnp.where(m > 0, norm, _F32(0)), m)
+
+
+def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
+    """The L2 norm of each leaf (or group of leaves) of a tree, in float32.
+
+    For monitoring gradients per layer: every floating leaf is cast to float32
+    and the norm is computed with a rescaling that cannot overflow float32 (a
+    scaled float16 gradient of ``1e20`` still gives a finite norm). An ``inf``
+    element gives ``inf``, a ``NaN`` gives ``NaN``. Jit-safe; returns device
+    arrays.
+
+    Args:
+      tree: a pytree, typically gradients or parameters; non-floating and
+        ``None`` leaves are ignored.
+      depth: ``None`` (default) for one norm per leaf; an int ``d >= 1`` to group
+        leaves by the first ``d`` components of their path (``depth=1`` on
+        ``{"dense": {"kernel", "bias"}}`` gives one norm for ``"dense"``).
+
+    Returns:
+      A ``dict`` from path names (``"dense/kernel"``, ``"<root>"`` for a bare
+      array) to ``f32[]`` norms, in tree order.
+
+    Raises:
+      TypeError: if ``depth`` is not an int.
+      ValueError: if ``depth < 1``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> g = {"dense": {"kernel": jnp.array([3.0, 4.0], jnp.float16),
+      ...                "bias": jnp.array([12.0])}}
+      >>> {k: float(v) for k, v in jxs.layer_norms(g).items()}
+      {'dense/bias': 12.0, 'dense/kernel': 5.0}
+      >>> jxs.layer_norms(g, depth=1)
+      {'dense': Array(13., dtype=float32)}
+    """
+    if depth is not None:
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"`depth` must be an int or None, got {depth!r}.")
+        if depth < 1:
+            raise ValueError(f"`depth` must be >= 1, got {depth}.")
+    groups: dict[str, list[jax.Array]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not is_float_leaf(x):
+            continue
+        key = path_name(path if depth is None else tuple(path)[:depth])
+        groups.setdefault(key, []).append(jnp.asarray(x).astype(_F32))
+    return {k: _robust_norm(v) for k, v in groups.items()}
