@@ -19,6 +19,10 @@ from jaxscale._loss_scale import (
     reciprocal_parts,
     unscale_leaf,
 )
+from jaxscale._structure import (
+    check_updates_match_params,
+    explain_structure_errors,
+)
 from jaxscale._tree import is_float_leaf, saturating_increment
 
 __all__ = [
@@ -228,6 +232,7 @@ def dynamic_scaling(
         params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, DynamicScalingState]:
+        check_updates_match_params(updates, params)
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
         finite = _unscaled_finite(updates, hi, lo)
@@ -242,9 +247,10 @@ def dynamic_scaling(
             out_updates, _ = jax.eval_shape(apply, operand)
             return _negative_zeros(out_updates), inner_state
 
-        new_updates, new_inner = lax.cond(
-            finite, apply, skip, (updates, state.inner_state)
-        )
+        with explain_structure_errors(updates, state.inner_state):
+            new_updates, new_inner = lax.cond(
+                finite, apply, skip, (updates, state.inner_state)
+            )
         new_ls = ls.adjust(finite)
         new_state = DynamicScalingState(
             loss_scale=new_ls,
