@@ -434,7 +434,7 @@ def _leaf_bytes(x: np.ndarray) -> np.ndarray:
 
 
 def _fmt(x: np.ndarray, i: int) -> str:
-    v = x.reshape(-1)[i]
+    v = x.reshape(-1)[i].item()
     raw = _leaf_bytes(x)[i][::-1].tobytes().hex()  # little-endian to readable
     return f"{v!r} (0x{raw})"
 
