@@ -166,10 +166,10 @@ def floor_callback(
     def host(step):
         warnings.warn(
             f"jaxscale: the loss scale has sat at its floor (min_scale="
-            f"{np.float32(min_scale)!r}) for {after} consecutive steps, up to step "
-            f"{int(step)}. Gradients overflow even at the smallest scale: training "
-            "is probably diverging (inf/NaN in the forward pass or exploding "
-            "gradients), not underflowing.",
+            f"{float(np.float32(min_scale))!r}) for {after} consecutive steps, up "
+            f"to step {int(step)}. Gradients overflow even at the smallest scale: "
+            "training is probably diverging (inf/NaN in the forward pass or "
+            "exploding gradients), not underflowing.",
             ScaleAtFloorWarning,
             stacklevel=2,
         )
