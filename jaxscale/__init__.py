@@ -5,9 +5,16 @@ optax transformation that unscales gradients, skips non-finite steps and adjusts
 the scale, all inside XLA.
 """
 
+from jaxscale._accumulate import AccumulateState as AccumulateState
+from jaxscale._accumulate import accumulate as accumulate
+from jaxscale._accumulate import (
+    accumulate_value_and_grad as accumulate_value_and_grad,
+)
 from jaxscale._checkpoint import (
     register_flax_serialization as register_flax_serialization,
 )
+from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
+from jaxscale._clip import global_norm as global_norm
 from jaxscale._diagnostics import UnderflowReport as UnderflowReport
 from jaxscale._diagnostics import layer_norms as layer_norms
 from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
@@ -32,6 +39,7 @@ from jaxscale._validate import validate_state as validate_state
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
     "DynamicLossScale",
     "DynamicScalingState",
     "LossScale",
@@ -40,9 +48,13 @@ __all__ = [
     "ScaleAtFloorWarning",
     "StaticLossScale",
     "UnderflowReport",
+    "accumulate",
+    "accumulate_value_and_grad",
     "all_finite",
+    "clip_by_global_norm",
     "dynamic_scaling",
     "from_torch_state_dict",
+    "global_norm",
     "layer_norms",
     "loss_scale_of",
     "nonfinite_paths",

@@ -1,0 +1,188 @@
+"""Flax integration: a ``TrainState`` whose ``step`` counts applied updates.
+
+Not imported by ``import jaxscale``; import it explicitly (it needs flax)::
+
+    import jaxscale.flax as jxf
+
+The stock ``flax.training.train_state.TrainState`` works with
+``tx=jxs.dynamic_scaling(...)`` unchanged: a skipped step leaves ``params`` and
+the inner optimizer state bit-identical. Its ``step``, however, advances on
+every call of ``apply_gradients``, skipped or not (and on every micro-step under
+:func:`jaxscale.accumulate`). :class:`TrainState` here differs in that one
+respect: its ``step`` counts only the updates that were applied, so it stays
+equal to the inner optimizer's own step count (the ``count`` that drives optax
+learning-rate schedules).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.training import train_state
+
+from jaxscale._transform import DynamicScalingState, _is_variable, _unwrap_variable
+
+__all__ = ["TrainState", "update_applied"]
+
+
+def _scaling_states(opt_state: Any) -> list[DynamicScalingState]:
+    return [
+        x
+        for x in jax.tree.leaves(
+            opt_state,
+            is_leaf=lambda x: isinstance(x, DynamicScalingState) or _is_variable(x),
+        )
+        if isinstance(x, DynamicScalingState)
+    ]
+
+
+def _one_scaling_state(opt_state: Any, name: str) -> DynamicScalingState:
+    found = _scaling_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(
+            f"`{name}` must contain exactly one jxs.DynamicScalingState (build the "
+            "optimizer with `jxs.dynamic_scaling(inner)`, optionally inside "
+            f"`jxs.accumulate`), got {len(found)}."
+        )
+    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
+
+
+def update_applied(old_opt_state: Any, new_opt_state: Any) -> jax.Array:
+    """Whether the ``update`` that turned one state into the other changed params.
+
+    ``True`` when the :func:`jaxscale.dynamic_scaling` inside ran its inner
+    optimizer on finite gradients; ``False`` when the step was skipped for an
+    overflow, and (under :func:`jaxscale.accumulate`) on the calls that only
+    accumulate. Works on optimizer states, ``TrainState`` and ``nnx.Optimizer``
+    ``opt_state`` trees (``OptArray`` leaves are unwrapped).
+
+    Args:
+      old_opt_state: the optimizer state passed to ``update``.
+      new_opt_state: the state it returned.
+
+    Returns:
+      ``bool[]``, computed on device.
+
+    Raises:
+      ValueError: if a state does not contain exactly one
+        :class:`jaxscale.DynamicScalingState`.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.flax as jxf
+      >>> import jax.numpy as jnp, optax
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> s0 = tx.init(jnp.zeros(2))
+      >>> _, s1 = tx.update(jnp.ones(2), s0)
+      >>> _, s2 = tx.update(jnp.array([jnp.inf, 1.0]), s1)
+      >>> jxf.update_applied(s0, s1), jxf.update_applied(s1, s2)
+      (Array(True, dtype=bool), Array(False, dtype=bool))
+    """
+    old = _one_scaling_state(old_opt_state, "old_opt_state")
+    new = _one_scaling_state(new_opt_state, "new_opt_state")
+    return (new.steps != old.steps) & new.last_step_finite
+
+
+class TrainState(train_state.TrainState):
+    """A Flax ``TrainState`` whose ``step`` counts applied updates only.
+
+    A drop-in for ``flax.training.train_state.TrainState`` (same fields, same
+    ``create`` and ``apply_gradients``, subclass it to add fields such as
+    ``batch_stats``) for a ``tx`` built with :func:`jaxscale.dynamic_scaling`.
+    ``apply_gradients`` updates ``params`` and ``opt_state`` exactly as the stock
+    one does (on a skipped step both come back bit-identical), but increments
+    ``step`` only when the update was applied (:func:`update_applied`): not on a
+    step skipped for an overflow, not on the accumulating calls of
+    :func:`jaxscale.accumulate`. So ``step`` equals the inner optimizer's own
+    count (what drives an optax learning-rate schedule) and is a faithful label
+    for checkpoints and logs. Update attempts and skips are counted in the
+    optimizer state (``jxs.summary(state.opt_state)``).
+
+    Other fields passed to ``apply_gradients`` as keyword arguments (e.g.
+    ``batch_stats`` from the forward pass) are replaced as in the stock class,
+    skipped step or not, as torch keeps BatchNorm statistics from the forward
+    pass of a skipped step.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.flax as jxf
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import flax.linen as nn
+      >>> model = nn.Dense(1)
+      >>> params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+      >>> state = jxf.TrainState.create(
+      ...     apply_fn=model.apply, params=params,
+      ...     tx=jxs.dynamic_scaling(optax.sgd(0.1)))
+      >>> grads = jax.tree.map(jnp.ones_like, params)
+      >>> state = state.apply_gradients(grads=grads)
+      >>> bad = jax.tree.map(lambda g: g * jnp.inf, grads)
+      >>> state = state.apply_gradients(grads=bad)  # skipped: step stays 1
+      >>> int(state.step), int(state.opt_state.skipped_steps)
+      (1, 1)
+    """
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Like the stock ``apply_gradients``; ``step`` counts applied updates.
+
+        Args:
+          grads: the gradients of the *scaled* loss (see
+            :func:`jaxscale.value_and_grad`), in the structure of ``params``.
+          **kwargs: other fields to replace, as in the stock class.
+
+        Returns:
+          The new state; ``step`` is incremented iff the update was applied.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.flax as jxf
+          >>> import jax.numpy as jnp, optax
+          >>> state = jxf.TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.zeros(2)},
+          ...     tx=jxs.accumulate(jxs.dynamic_scaling(optax.sgd(0.1)), 2))
+          >>> state = state.apply_gradients(grads={"w": jnp.ones(2)})  # accumulates
+          >>> int(state.step)
+          0
+        """
+        new = super().apply_gradients(grads=grads, **kwargs)
+        applied = update_applied(self.opt_state, new.opt_state)
+        return new.replace(step=self.step + jnp.where(applied, 1, 0))
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> Any:
+        """Like the stock ``create``; checks that ``tx`` scales the loss.
+
+        Args:
+          apply_fn: usually ``model.apply``.
+          params: the parameters (float32 master weights).
+          tx: an optimizer built with :func:`jaxscale.dynamic_scaling`
+            (possibly inside :func:`jaxscale.accumulate` or ``optax.chain``).
+          **kwargs: other fields of a subclass.
+
+        Returns:
+          A state with ``step=0`` and ``opt_state = tx.init(params)``.
+
+        Raises:
+          ValueError: if ``tx``'s state does not contain exactly one
+            :class:`jaxscale.DynamicScalingState`.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.flax as jxf
+          >>> import jax.numpy as jnp, optax
+          >>> state = jxf.TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.zeros(2)},
+          ...     tx=jxs.dynamic_scaling(optax.adam(1e-3)))
+          >>> jxs.loss_scale_of(state).loss_scale
+          Array(65536., dtype=float32)
+        """
+        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        found = _scaling_states(state.opt_state)
+        if len(found) != 1:
+            raise ValueError(
+                "`tx` must contain exactly one jxs.dynamic_scaling (e.g. "
+                "`jxs.dynamic_scaling(optax.adam(1e-3))`), got "
+                f"{len(found)} in its state."
+            )
+        return state
