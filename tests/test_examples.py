@@ -36,8 +36,16 @@ def _check_quickstart(out: str) -> None:
     assert int(match.group(2)) >= 1
 
 
+def _check_diagnostics(out: str) -> None:
+    # The injected overflow (step 20 of the default --inject-at) is found by name.
+    assert "injected at step 20: found in layer2/w" in out, out
+    assert "recommended init_scale: 2**" in out
+    png = Path(re.search(r"^wrote (.+\.png)$", out, re.M).group(1))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # Extra checks of an example's output, by file name.
-CHECKS = {"quickstart.py": _check_quickstart}
+CHECKS = {"quickstart.py": _check_quickstart, "diagnostics.py": _check_diagnostics}
 
 
 def test_there_are_examples():
