@@ -236,6 +236,15 @@ class UnderflowReport(NamedTuple):
       init_scale_high: the largest power of two at which the largest element
         does not overflow. If ``low > high`` no scale fits the whole range:
         prefer ``high`` (nothing overflows) and accept the zeros it leaves.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> r = jxs.underflow_report({"w": jnp.array([1e-8, 2.0])}, jnp.float16)
+      >>> float(r.zero_fraction_unscaled), float(r.headroom_log2) > 14
+      (0.5, True)
+      >>> isinstance(r, jxs.UnderflowReport)
+      True
     """
 
     loss_scale: jax.Array

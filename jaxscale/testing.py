@@ -65,6 +65,12 @@ class SimStep(NamedTuple):
       hysteresis_tracker: overflows still tolerated (always 1 under torch's rule;
         Megatron-LM's goes to 0 and below while it keeps backing off).
       applied: whether this step's update was applied (the step was finite).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.testing as jxt
+      >>> jxt.simulate(jxs.DynamicLossScale.create(init_scale=4.0), [False])
+      [SimStep(loss_scale=2.0, growth_tracker=0, hysteresis_tracker=1, applied=False)]
     """
 
     loss_scale: float
@@ -360,6 +366,13 @@ class NonfiniteAtState(NamedTuple):
 
     Attributes:
       step: ``i32[]``, update calls so far (the step the next call injects at).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.testing as jxt
+      >>> import jax.numpy as jnp
+      >>> jxt.nonfinite_at([3]).init(jnp.zeros(2))
+      NonfiniteAtState(step=Array(0, dtype=int32))
     """
 
     step: jax.Array

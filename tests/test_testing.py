@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -493,3 +495,13 @@ def test_testing_is_not_imported_by_jaxscale():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_the_guide_example_runs():
+    """The unit test shown in docs/diagnostics.md passes as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "diagnostics.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    example = next(b for b in blocks if "def test_my_train_step" in b)
+    namespace: dict = {}
+    exec(compile(example, "docs/diagnostics.md", "exec"), namespace)
+    namespace["test_my_train_step_survives_overflow"]()
