@@ -483,6 +483,30 @@ def test_multisteps_is_poisoned_and_accumulate_recovers():
     assert float(jxs.loss_scale_of(ours[-1]).loss_scale) == 2.0**15
 
 
+def test_multisteps_skip_not_finite_never_backs_off():
+    """MultiSteps' own remedy drops the micro-batch before the scale sees it."""
+    params = {"w": jnp.zeros(2)}
+    tx = optax.MultiSteps(
+        jxs.dynamic_scaling(optax.sgd(1.0)),
+        2,
+        should_skip_update_fn=optax.skip_not_finite,
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    with jax.numpy_dtype_promotion("standard"):
+        for _ in range(6):  # a scale that always overflows
+            _, state = update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    assert float(jxs.loss_scale_of(state).loss_scale) == 2.0**16  # never backs off
+    assert int(state.inner_opt_state.steps) == 0  # and never steps
+
+    ours = jxs.accumulate(jxs.dynamic_scaling(optax.sgd(1.0)), 2)
+    state = ours.init(params)
+    update = jax.jit(ours.update)
+    for _ in range(6):
+        _, state = update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    assert float(jxs.loss_scale_of(state).loss_scale) == 2.0**13  # once per window
+
+
 # --------------------------------------------------------------------------- #
 # Errors
 # --------------------------------------------------------------------------- #

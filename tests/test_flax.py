@@ -266,6 +266,11 @@ def test_nnx_optimizer_trains_in_float16(step):
     assert int(state.steps[...]) == 30
     # nnx.Optimizer.step counts update calls (attempts), skipped or not.
     assert int(optimizer.step[...]) == 30
+    summary = jxs.summary(optimizer)
+    assert int(summary["steps"]) == 30
+    assert int(optimizer.step[...]) - int(summary["skipped_steps"]) == int(
+        optax.tree.get(nnx.to_pure_dict(nnx.state(optimizer.opt_state)), "count")
+    )
 
 
 def test_loss_scale_of_sees_through_opt_array():
