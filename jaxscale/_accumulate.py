@@ -181,18 +181,19 @@ def accumulate(
                 return g
             return (t / every_k).astype(jnp.asarray(g).dtype)
 
-        mean = jax.tree.map(mean_leaf, total, updates)
-
         def apply(operand):
-            grads, inner_state = operand
-            return inner.update(grads, inner_state, params, **extra_args)
+            # The mean is computed here, so the other calls do not pay for it.
+            total, grads, inner_state = operand
+            mean = jax.tree.map(mean_leaf, total, grads)
+            return inner.update(mean, inner_state, params, **extra_args)
 
         def wait(operand):
-            _, inner_state = operand
             out_updates, _ = jax.eval_shape(apply, operand)
-            return _negative_zeros(out_updates), inner_state
+            return _negative_zeros(out_updates), operand[2]
 
-        new_updates, new_inner = lax.cond(emit, apply, wait, (mean, state.inner_state))
+        new_updates, new_inner = lax.cond(
+            emit, apply, wait, (total, updates, state.inner_state)
+        )
         new_sum = jax.tree.map(lambda t: lax.select(emit, jnp.zeros_like(t), t), total)
         new_state = AccumulateState(
             micro_step=jnp.where(emit, 0, state.micro_step + 1).astype(jnp.int32),
@@ -315,7 +316,7 @@ def accumulate_value_and_grad(
                 full[i] = x
             return grad_fn(*full, **kwargs)
 
-        first = jax.tree.map(lambda x: x[0], xs)
+        first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
         _, grads_shape = jax.eval_shape(micro, first)
         acc0 = jax.tree.map(_zeros_acc, grads_shape)
 
