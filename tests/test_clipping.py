@@ -215,6 +215,24 @@ def test_clip_inside_dynamic_scaling_uses_unscaled_norm_f16():
     assert np.all(np.asarray(updates["w"]) == 0)
 
 
+@pytest.mark.parametrize(
+    "clipper", [jxs.clip_by_global_norm, optax.clip_by_global_norm]
+)
+def test_clip_inside_dynamic_scaling_sees_unscaled_f32_gradients(clipper):
+    params = random_tree(jnp.float32)
+    unscaled = random_tree(jnp.float32, scale=0.3, seed=3)  # norm ~ 4
+    scale = 2.0**12
+    scaled = jax.tree.map(lambda g: g * scale, unscaled)
+    tx = jxs.dynamic_scaling(
+        optax.chain(clipper(1.0), optax.sgd(1.0)), jxs.StaticLossScale.create(scale)
+    )
+    updates, _ = jax.jit(tx.update)(scaled, tx.init(params), params)
+    expected, _ = optax.clip_by_global_norm(1.0).update(unscaled, optax.EmptyState())
+    for u, e in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(u), -np.asarray(e), rtol=1e-6)
+    np.testing.assert_allclose(f64_norm(updates), 1.0, rtol=1e-5)
+
+
 def test_clip_inside_dynamic_scaling_then_adamw_trains():
     params = random_tree(jnp.float32)
     tx = jxs.dynamic_scaling(
