@@ -110,9 +110,9 @@ def _check_scale(
     c: _Checker, field: str, value: Any, lo: float, hi: float
 ) -> tuple[float, bool]:
     """Checks a scale leaf; returns ``(value, changed)``."""
+    # Checked before rounding to float32, so that a positive float64 that
+    # underflows (or overflows) float32 is clamped, not mistaken for 0 (or inf).
     x, changed = c.scalar(field, value, np.float32)
-    with np.errstate(over="ignore"):
-        x = float(np.float32(x))
     if math.isnan(x) or x <= 0:
         c.fail(
             field,
@@ -130,7 +130,7 @@ def _check_scale(
             rule = f"finite and {rule}"
         x = c.fix(field, rule, x, min(max(x, lo), hi))
         changed = True
-    return x, changed
+    return float(np.float32(x)), changed
 
 
 def _check_int(
@@ -140,7 +140,7 @@ def _check_int(
     if not lo <= x <= hi:
         x = c.fix(field, rule, x, min(max(x, lo), hi))
         changed = True
-    return x, changed
+    return float(np.float32(x)), changed
 
 
 def _validate_loss_scale(ls: Any, c: _Checker) -> Any:
