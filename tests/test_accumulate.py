@@ -350,6 +350,14 @@ def test_inner_runs_once_per_window_host_callback():
     jax.effects_barrier()
     assert len(calls) == 2
 
+    # optax.MultiSteps runs the whole inner update on every micro-step.
+    calls.clear()
+    ms = optax.MultiSteps(jxs.dynamic_scaling(optax.chain(probe(), optax.sgd(0.1))), k)
+    with jax.numpy_dtype_promotion("standard"):
+        run_windows(ms, init_params(), micro_batches(2, k))
+    jax.effects_barrier()
+    assert len(calls) == 2 * k
+
 
 def test_extra_args_forwarded_on_the_boundary():
     seen = []
