@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from optax import OptState, Params, Updates
 
-from jaxscale import _hooks
+from jaxscale import _distributed, _hooks
 from jaxscale._loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -94,9 +94,11 @@ def _negative_zeros(tree: Any) -> Any:
     """
 
     def leaf(s):
-        if jnp.issubdtype(s.dtype, jnp.floating):
-            return jnp.full(s.shape, -0.0, s.dtype)
-        return jnp.zeros(s.shape, s.dtype)
+        # ``lax.cond`` compares types: match the sharding (explicit mesh axes)
+        # and the varying ``shard_map`` axes of the updates stood in for.
+        fill = -0.0 if jnp.issubdtype(s.dtype, jnp.floating) else 0
+        x = jnp.full(s.shape, fill, s.dtype, device=getattr(s, "sharding", None))
+        return _distributed.match_varying(x, s)
 
     return jax.tree.map(leaf, tree)
 
@@ -125,6 +127,8 @@ def dynamic_scaling(
     track_nonfinite: bool = False,
     on_overflow: Callable[[_hooks.OverflowEvent], Any] | None = None,
     warn_at_floor_after: int | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    mean_grads: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling: unscale, skip on overflow, adjust.
 
@@ -154,6 +158,14 @@ def dynamic_scaling(
     all of them off, the default, none of their code is traced and the compiled
     step is the plain one. See the diagnostics guide.
 
+    Several devices (see the multi-device guide): under ``jit`` with sharded
+    parameters and gradients nothing is needed, as the finite check reduces
+    whole (global) arrays, XLA inserts one scalar all-reduce, and every device
+    takes the same decision; ``init`` places the scale and counters replicated
+    on the mesh of ``params``. Inside ``jax.shard_map``, ``jax.pmap`` or
+    ``jax.vmap``, where each replica sees only its own gradients, pass
+    ``axis_name`` so the replicas agree.
+
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``) to protect.
       loss_scale: the initial :class:`LossScale`; default
@@ -169,6 +181,16 @@ def dynamic_scaling(
         (:class:`ScaleAtFloorWarning`, through ``jax.debug.callback``) once the
         scale has sat at its floor for ``n`` consecutive steps. Needs a
         :class:`DynamicLossScale`.
+      axis_name: ``None`` (default), or the name (or tuple of names) of the
+        mapped axis that ``update`` runs under (``shard_map``, ``pmap``,
+        ``vmap``): the finite flag is reduced over it (a ``lax.pmin``) so every
+        replica skips or applies the same step and keeps the same scale; with
+        ``track_nonfinite`` the per-leaf flags are or-ed over it too. Leave it
+        ``None`` under plain ``jit``, where XLA does the reduction.
+      mean_grads: if ``True`` (needs ``axis_name``), first average the scaled
+        gradients over ``axis_name`` (``lax.pmean``, in their own dtype: a sum
+        that overflows is skipped like any overflow), as data-parallel training
+        needs when each replica computed the gradient of its own batch.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -176,9 +198,11 @@ def dynamic_scaling(
 
     Raises:
       TypeError: if ``inner`` is not a transformation, ``loss_scale`` not a
-        :class:`LossScale`, or a diagnostic option has the wrong type.
+        :class:`LossScale`, or a diagnostic or axis option has the wrong type.
       ValueError: if ``warn_at_floor_after`` is < 1 or given without a
-        :class:`DynamicLossScale`.
+        :class:`DynamicLossScale`, or ``mean_grads=True`` without
+        ``axis_name``.
+      NameError: from ``update``, if ``axis_name`` is not bound there.
 
     Examples:
       >>> import jaxscale as jxs
@@ -195,6 +219,17 @@ def dynamic_scaling(
       >>> updates, opt_state = tx.update(bad, opt_state, params)
       >>> int(opt_state.skipped_steps), opt_state.loss_scale.loss_scale
       (1, Array(32768., dtype=float32))
+
+      Two replicas on a mapped axis, one overflows: both skip.
+
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", mean_grads=True)
+      >>> update = jax.vmap(
+      ...     tx.update, in_axes=(0, None, None), out_axes=None, axis_name="i"
+      ... )
+      >>> grads = jnp.array([[1.0, 2.0], [jnp.inf, 2.0]])  # one row per replica
+      >>> updates, opt_state = update(grads, tx.init(jnp.ones(2)), jnp.ones(2))
+      >>> int(opt_state.skipped_steps), opt_state.loss_scale.loss_scale
+      (1, Array(32768., dtype=float32))
     """
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
@@ -208,6 +243,7 @@ def dynamic_scaling(
             "`loss_scale` must be a jxs.LossScale (e.g. "
             f"jxs.DynamicLossScale.create()), got {type(loss_scale).__name__}."
         )
+    _distributed.check_axis_options(axis_name, mean_grads)
     diagnostics = _hooks.make_options(
         loss_scale, track_nonfinite, on_overflow, warn_at_floor_after
     )
@@ -215,7 +251,7 @@ def dynamic_scaling(
     fresh_loss_scale = _fresh_copy_factory(loss_scale)
 
     def init_fn(params: Params) -> DynamicScalingState:
-        return DynamicScalingState(
+        state = DynamicScalingState(
             loss_scale=fresh_loss_scale(),
             inner_state=inner.init(params),
             steps=jnp.zeros((), jnp.int32),
@@ -225,6 +261,8 @@ def dynamic_scaling(
             steps_at_floor=jnp.zeros((), jnp.int32),
             nonfinite_leaves=_hooks.no_flags(params) if track_nonfinite else None,
         )
+        # On a multi-device mesh: the same replicated scale on every device.
+        return _distributed.place_replicated(state, params, skip="inner_state")
 
     def update_fn(
         updates: Updates,
@@ -233,9 +271,13 @@ def dynamic_scaling(
         **extra_args: Any,
     ) -> tuple[Updates, DynamicScalingState]:
         check_updates_match_params(updates, params)
+        if mean_grads:
+            updates = _distributed.mean_over(updates, axis_name)
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
         finite = _unscaled_finite(updates, hi, lo)
+        if axis_name is not None:  # one decision for every replica on the axis
+            finite = _distributed.all_replicas_finite(finite, axis_name)
 
         def apply(operand):
             grads, inner_state = operand
@@ -269,6 +311,12 @@ def dynamic_scaling(
             new_state = _hooks.diagnose(
                 diagnostics, updates, state, new_state, finite, hi, lo
             )
+            if axis_name is not None and new_state.nonfinite_leaves is not None:
+                new_state = new_state._replace(
+                    nonfinite_leaves=_distributed.any_replica(
+                        new_state.nonfinite_leaves, axis_name
+                    )
+                )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

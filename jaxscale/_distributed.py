@@ -1,0 +1,160 @@
+"""Several devices, one decision: named-axis reductions and replicated placement.
+
+Under ``jit`` with sharded arrays XLA already reduces the finite check over every
+device (the check is a reduction over whole, global arrays). Inside ``shard_map``,
+``pmap`` or a ``vmap`` with an ``axis_name``, code sees only its own block, so
+:func:`jaxscale.dynamic_scaling` built with ``axis_name=...`` reduces the finite
+flag (and, with ``mean_grads=True``, the gradients) over that axis with the
+helpers here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxscale._tree import is_float_leaf
+
+__all__ = [
+    "AxisName",
+    "all_replicas_finite",
+    "any_replica",
+    "check_axis_options",
+    "match_varying",
+    "mean_over",
+    "place_replicated",
+]
+
+#: What ``axis_name`` accepts: one mapped axis, or several (reduced over all).
+AxisName = str | tuple[str, ...]
+
+
+def check_axis_options(axis_name: Any, mean_grads: Any) -> None:
+    """Validates the ``axis_name`` and ``mean_grads`` keywords (eagerly)."""
+    if axis_name is not None:
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"`axis_name` must be a str or tuple of str, got {axis_name!r}."
+            )
+        if not names:
+            raise ValueError(
+                "`axis_name` must name at least one mapped axis (a str or a "
+                "non-empty tuple of str), got ()."
+            )
+    if not isinstance(mean_grads, bool):
+        raise TypeError(f"`mean_grads` must be a bool, got {mean_grads!r}.")
+    if mean_grads and axis_name is None:
+        raise ValueError(
+            "`mean_grads=True` needs `axis_name` (the mapped axis to average "
+            "the gradients over), got axis_name=None."
+        )
+
+
+def _explain_unbound(axis_name: AxisName, err: NameError) -> NameError:
+    return NameError(
+        f"`axis_name` {axis_name!r} is not bound here: call `update` of a "
+        "`jxs.dynamic_scaling(..., axis_name=...)` inside `jax.shard_map`, "
+        "`jax.pmap` or `jax.vmap` over that axis (under plain `jit` with sharded "
+        f"arrays, leave `axis_name=None`). JAX said: {err}"
+    )
+
+
+def all_replicas_finite(finite: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``bool[]``: ``finite`` on every member of the ``axis_name`` axis.
+
+    One scalar ``pmin`` over the axis: every replica gets the same answer.
+    """
+    try:
+        return lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    except NameError as err:
+        raise _explain_unbound(axis_name, err) from None
+
+
+def any_replica(flags: Any, axis_name: AxisName) -> Any:
+    """Per-leaf ``bool[]`` flags or-ed over the ``axis_name`` axis."""
+    return jax.tree.map(
+        lambda f: lax.pmax(f.astype(jnp.int32), axis_name) > 0,
+        flags,
+    )
+
+
+def mean_over(grads: Any, axis_name: AxisName) -> Any:
+    """The mean of every floating leaf over the ``axis_name`` axis.
+
+    Each leaf is averaged in its own dtype (``lax.pmean``), as the scaled
+    gradients of torch's DDP are all-reduced: a sum that overflows gives an
+    ``inf`` that the finite check then sees. Other leaves pass through.
+    """
+    try:
+        return jax.tree.map(
+            lambda g: lax.pmean(g, axis_name) if is_float_leaf(g) else g, grads
+        )
+    except NameError as err:
+        raise _explain_unbound(axis_name, err) from None
+
+
+def _varying_axes(aval: Any) -> tuple[str, ...]:
+    """The ``shard_map`` axes along which a value (or its type) varies."""
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    axes = manual.varying if manual is not None else getattr(aval, "vma", ())
+    return tuple(sorted(axes or ()))
+
+
+def match_varying(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` marked as varying over the same ``shard_map`` axes as ``like`` (an
+    array or a ``jax.ShapeDtypeStruct``), so both branches of a ``lax.cond``
+    have the same type; ``x`` itself outside ``shard_map``."""
+    missing = tuple(a for a in _varying_axes(like) if a not in _varying_axes(x))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # jax < 0.10
+
+
+def _replicated_sharding(params: Any) -> NamedSharding | None:
+    """Fully replicated sharding over the mesh of the first parameter placed on
+    a multi-device ``NamedSharding`` (``None`` if there is none, or under a
+    trace, where ``jit`` decides placement)."""
+    for x in jax.tree.leaves(params):
+        if isinstance(x, jax.core.Tracer):
+            return None
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return NamedSharding(s.mesh, PartitionSpec())
+    return None
+
+
+def place_replicated(state: Any, params: Any, *, skip: str) -> Any:
+    """Puts every array leaf of a state NamedTuple, except its field ``skip``,
+    replicated on the mesh of ``params``.
+
+    When ``params`` live on a multi-device (possibly multi-process) mesh, the
+    loss scale and counters are placed with ``NamedSharding(mesh, P())`` from
+    host values (``jax.make_array_from_callback``, which also works where the
+    mesh spans several processes), so every device holds the same copy from the
+    start. Otherwise ``state`` is returned unchanged.
+    """
+    sharding = _replicated_sharding(params)
+    if sharding is None:
+        return state
+
+    def place(x):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+    return state._replace(
+        **{
+            f: jax.tree.map(place, getattr(state, f))
+            for f in state._fields
+            if f != skip
+        }
+    )
