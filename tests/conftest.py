@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import optax
 import pytest
@@ -17,6 +19,21 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--runslow", action="store_true", help="run tests marked slow (full size)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("JAXSCALE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: pass --runslow or set JAXSCALE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation:
