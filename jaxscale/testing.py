@@ -549,7 +549,7 @@ def assert_skipped(
       >>> import jaxscale as jxs
       >>> import jaxscale.testing as jxt
       >>> import jax.numpy as jnp, optax
-      >>> tx = jxs.dynamic_scaling(optax.adam(1e-3))
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9))
       >>> params = {"w": jnp.array([1.0, -0.0])}
       >>> state = tx.init(params)
       >>> updates, new_state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
