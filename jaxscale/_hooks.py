@@ -266,7 +266,9 @@ def diagnose(
     """The opt-in part of ``update``: flags, overflow hook, floor warning."""
     flags = None
     if options.track_nonfinite or options.on_overflow is not None:
-        flags = nonfinite_flags(grads, hi, lo)
+        # On a finite step every flag is false: read the gradients again only
+        # on a skipped step.
+        flags = lax.cond(finite, no_flags, lambda g: nonfinite_flags(g, hi, lo), grads)
     if options.track_nonfinite:
         new_state = new_state._replace(nonfinite_leaves=flags)
     if options.on_overflow is not None:
