@@ -85,7 +85,7 @@ class _Checker:
         if cast:
             kind = want.kind
             ok = (
-                (kind == "f" and arr.dtype.kind in "fiub")
+                (kind == "f" and _is_real(arr.dtype))
                 or (kind == "i" and _integral(x) and _I32.min <= x <= _I32.max)
                 or (kind == "b" and x in (0, 1))
             )
@@ -98,6 +98,10 @@ class _Checker:
         if want.kind == "b":
             return bool(x), cast
         return int(x), cast
+
+
+def _is_real(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
 
 
 def _integral(x: Any) -> bool:

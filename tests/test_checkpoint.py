@@ -362,6 +362,7 @@ REPAIRS = [
     ({"loss_scale": jnp.float32(2.0**-140)}, {}, {"scale": 1.0}),  # subnormal
     ({"loss_scale": np.float64(2048.0)}, {}, {"scale": 2048.0}),
     ({"loss_scale": np.int32(16)}, {}, {"scale": 16.0}),
+    ({"loss_scale": jnp.bfloat16(512.0)}, {}, {"scale": 512.0}),
     ({"growth_tracker": jnp.int32(25)}, {}, {"tracker": 9}),
     ({"growth_tracker": jnp.int32(-4)}, {}, {"tracker": 0}),
     ({"growth_tracker": np.int64(4)}, {}, {"tracker": 4}),
@@ -415,6 +416,7 @@ def test_validate_state_repairs(ls_fields, fields, expected):
         {"loss_scale": jnp.float32(-1.0)},
         {"loss_scale": jnp.ones(3)},
         {"growth_tracker": np.float32(2.5)},
+        {"loss_scale": np.complex64(1024.0)},
         {"growth_tracker": np.int64(2**40)},
     ],
 )
