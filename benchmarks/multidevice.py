@@ -209,7 +209,13 @@ def describe(found: Counter) -> str:
 
 
 def time_interleaved(variants: dict, batch, rounds: int, steps: int, warmup: int = 3):
-    """Per-round mean step time (s) of every variant; the order rotates."""
+    """Per-round mean step times of every variant; the order rotates.
+
+    Returns ``({"wall"|"cpu": {variant: [seconds per step, one per round]}},
+    skipped steps per scaled variant)``. ``cpu`` is the CPU time of this process
+    (every device thread), which other processes on a shared machine disturb
+    less than the wall time.
+    """
     names = list(variants)
     carry = {}
     for name, (step, fresh) in variants.items():
@@ -218,16 +224,17 @@ def time_interleaved(variants: dict, batch, rounds: int, steps: int, warmup: int
             p, s, out = step(p, s, batch)
         jax.block_until_ready((p, s, out))
         carry[name] = (p, s)
-    times = {n: [] for n in names}
+    times = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             step, _ = variants[name]
             p, s = carry[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 p, s, out = step(p, s, batch)
             jax.block_until_ready((p, s, out))
-            times[name].append((time.perf_counter() - t0) / steps)
+            times["wall"][name].append((time.perf_counter() - t0) / steps)
+            times["cpu"][name].append((time.process_time() - c0) / steps)
             carry[name] = (p, s)
     skipped = {
         name: int(carry[name][1].skipped_steps)
@@ -284,21 +291,32 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     print()
-    print(f"{'variant':<18}{'median ms':>10}{'min':>9}{'max':>9}  collectives")
+    print("collectives of each compiled step (count x kind[elements]):")
+    for name in variants:
+        print(f"  {name:<18}{describe(comms[name])}")
+    for clock in ("wall", "cpu"):
+        report(clock, times[clock], setups, skipped)
+
+
+def report(clock: str, times: dict, setups, skipped: dict) -> None:
+    print(f"\n{clock} time per step, ms: median (min, max) over rounds")
     for name, t in times.items():
         print(
-            f"{name:<18}{statistics.median(t) * 1e3:10.2f}{min(t) * 1e3:9.2f}"
-            f"{max(t) * 1e3:9.2f}  {describe(comms[name])}"
+            f"  {name:<18}{statistics.median(t) * 1e3:9.2f}  "
+            f"({min(t) * 1e3:.2f}, {max(t) * 1e3:.2f})"
         )
-    print()
+    print(f"{clock} scaled/bare: ratio of the medians; median [quartiles] of the")
+    print("  per-round ratios (a set-up's bare and scaled run in the same round)")
     for setup in setups:
-        bare = statistics.median(times[f"{setup}/bare"])
-        scaled = statistics.median(times[f"{setup}/scaled"])
-        ratio = scaled / bare
+        bare, scaled = times[f"{setup}/bare"], times[f"{setup}/scaled"]
+        ratio = statistics.median(scaled) / statistics.median(bare)
+        paired = [s / b for s, b in zip(scaled, bare, strict=True)]
+        q1, q2, q3 = (
+            statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        )
         print(
-            f"{setup:<10} scaled/bare = {ratio:.3f} "
-            f"({100 * (ratio - 1):+.1f}%), skipped "
-            f"{skipped[f'{setup}/scaled']} steps"
+            f"  {setup:<10} {ratio:.3f} ({100 * (ratio - 1):+.1f}%); per round "
+            f"{q2:.3f} [{q1:.3f}, {q3:.3f}]; {skipped[f'{setup}/scaled']} skipped"
         )
 
 
