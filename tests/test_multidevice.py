@@ -574,3 +574,21 @@ def test_pmean_in_own_dtype_overflow_is_a_skip():
     update = jax.vmap(tx.update, in_axes=(0, None, None), out_axes=None, axis_name="i")
     _, state = update(grads, tx.init(params), params)
     assert int(state.skipped_steps) == 1
+
+
+def test_on_overflow_fires_once_per_replica_with_its_own_paths():
+    events = []
+    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", on_overflow=events.append)
+    params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
+    grads = {"a": replica_grads(), "b": replica_grads(bad=None)}
+    update = jax.vmap(
+        lambda g, s, p: tx.update(g, s, p)[1],
+        in_axes=(0, None, None),
+        out_axes=None,
+        axis_name="i",
+    )
+    update(grads, tx.init(params), params)
+    jax.effects_barrier()
+    assert len(events) == N
+    assert sorted(e.paths for e in events) == [()] * (N - 1) + [("a",)]
+    assert {e.next_loss_scale for e in events} == {INIT / 2}
