@@ -513,6 +513,10 @@ def test_vmap_per_example_grads_then_one_update_keeps_a_scalar_scale():
     assert step._cache_size() == 1  # no retrace: the state's types never changed
 
 
+def tx_without_axis():
+    return jxs.dynamic_scaling(optax.sgd(0.1))
+
+
 def test_vmap_update_with_axis_name_takes_one_decision():
     tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="batch", mean_grads=True)
     params = jnp.zeros(3)
@@ -530,10 +534,6 @@ def test_vmap_update_with_axis_name_takes_one_decision():
     updates, new_state = update(replica_grads(), state, params)
     assert int(new_state.skipped_steps) == 1
     assert np.all(np.signbit(updates)) and not np.any(updates)
-
-
-def tx_without_axis():
-    return jxs.dynamic_scaling(optax.sgd(0.1))
 
 
 def test_vmap_update_with_a_shared_state_needs_axis_name():
