@@ -106,18 +106,91 @@ def _negative_zeros(tree: Any) -> Any:
 def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
     """Whether every unscaled float gradient is finite, in its own dtype.
 
-    The unscale multiply is fused into the reduction by XLA: the unscaled
-    gradients are never written to memory here.
+    Exact, with a cheap common path. Unscaling multiplies by ``hi`` and ``lo``;
+    while both are ``<= 1`` (a scale ``>= 1``) that cannot turn a finite value
+    into an inf, so the unscaled gradients are finite iff the raw ones are. And a
+    sum is finite only if every term is (``inf`` and ``NaN`` survive addition in
+    any order), so one plain sum per leaf, in at least float32, settles a finite
+    step. XLA reads such a sum straight from the gradient buffer that the inner
+    update reads next (with an elementwise op in front, it re-fuses the
+    gradient's producer and reads it twice). Only when that test fails (an
+    overflowing step, a sum that overflowed, a scale below 1) does the exact
+    elementwise check run, inside a ``lax.cond``.
     """
-    flags = [
-        jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
-        for g in jax.tree.leaves(grads)
-        if is_float_leaf(g)
-    ]
-    out = jnp.ones((), jnp.bool_)
-    for f in flags:
-        out = out & f
-    return out
+    leaves = [g for g in jax.tree.leaves(grads) if is_float_leaf(g)]
+    if not leaves:
+        return jnp.ones((), jnp.bool_)
+    quick = (hi <= 1) & (lo <= 1)
+    for g in leaves:
+        acc = jnp.float64 if jnp.result_type(g) == jnp.float64 else jnp.float32
+        quick = quick & jnp.isfinite(jnp.sum(g, dtype=acc))
+
+    def exact(leaves):
+        out = jnp.ones((), jnp.bool_)
+        for g in leaves:
+            out = out & jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
+        return out
+
+    # ``quick`` (true in that branch) rather than a constant: inside
+    # ``shard_map`` it varies over the mesh axes exactly as ``exact``'s result.
+    return lax.cond(quick, lambda _: quick, exact, leaves)
+
+
+# Below this many elements a relayout is cheap whichever way XLA does it, so
+# small leaves keep their shape. (Reading a leaf through the flat copy can change
+# how XLA:CPU compiles the branch, e.g. contract a multiply-add into an FMA: the
+# last bit of an update may then differ from an unjitted run of ``inner``.)
+_RELAYOUT_MIN_SIZE = 2**16
+
+
+def _is_large_unsharded_matrix(x: Any) -> bool:
+    if not is_float_leaf(x) or jnp.ndim(x) < 2 or jnp.size(x) < _RELAYOUT_MIN_SIZE:
+        return False
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    # On an Auto mesh axis the partitioner picks the layout after tracing (the
+    # spec reads all-None): a gradient split on a minor dimension would be
+    # all-gathered by the flattening reshape.
+    auto = mesh is not None and any(
+        t == jax.sharding.AxisType.Auto and n > 1
+        for t, n in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
+    )
+    return not auto and (spec is None or all(axis is None for axis in spec))
+
+
+def _row_major(grads: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """On XLA:CPU, flattens large float gradients of rank >= 2; returns an inverse.
+
+    XLA:CPU often hands a dense kernel's gradient over in transposed layout
+    (e.g. from an f16 matmul it emulates in f32). Fed as it is to the check and
+    to ``lax.cond``, it is read with strides by the check and transposed again
+    inside the branch. A flat copy behind an optimization barrier is written
+    once in row-major order and shared by the check and the inner update
+    (reshaping back is free). Elsewhere gradients keep their shape: other
+    backends fold such transposes, and flattening a sharded array could cost
+    communication.
+    """
+    if jax.default_backend() != "cpu":
+        return grads, lambda tree: tree
+    leaves, treedef = jax.tree.flatten(grads)
+    shapes = [jnp.shape(x) if _is_large_unsharded_matrix(x) else None for x in leaves]
+    if all(s is None for s in shapes):
+        return grads, lambda tree: tree
+
+    def reshape(leaves: list[Any], flat: bool) -> list[Any]:
+        return [
+            x if s is None else jnp.reshape(x, -1 if flat else s)
+            for x, s in zip(leaves, shapes, strict=True)
+        ]
+
+    def restore(tree: Any) -> Any:
+        return jax.tree.unflatten(
+            treedef, reshape(treedef.flatten_up_to(tree), flat=False)
+        )
+
+    flat = lax.optimization_barrier(reshape(leaves, flat=True))
+    return jax.tree.unflatten(treedef, flat), restore
 
 
 def dynamic_scaling(
@@ -275,23 +348,25 @@ def dynamic_scaling(
             updates = _distributed.mean_over(updates, axis_name)
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
-        finite = _unscaled_finite(updates, hi, lo)
+        # Raw gradients into the cond: the unscale fuses into the inner update.
+        grads, restore = _row_major(updates)
+        finite = _unscaled_finite(grads, hi, lo)
         if axis_name is not None:  # one decision for every replica on the axis
             finite = _distributed.all_replicas_finite(finite, axis_name)
 
         def apply(operand):
             grads, inner_state = operand
-            unscaled = jax.tree.map(lambda g: unscale_leaf(g, hi, lo), grads)
+            unscaled = jax.tree.map(lambda g: unscale_leaf(g, hi, lo), restore(grads))
             return inner.update(unscaled, inner_state, params, **extra_args)
 
         def skip(operand):
-            grads, inner_state = operand
+            _, inner_state = operand
             out_updates, _ = jax.eval_shape(apply, operand)
             return _negative_zeros(out_updates), inner_state
 
         with explain_structure_errors(updates, state.inner_state):
             new_updates, new_inner = lax.cond(
-                finite, apply, skip, (updates, state.inner_state)
+                finite, apply, skip, (grads, state.inner_state)
             )
         new_ls = ls.adjust(finite)
         new_state = DynamicScalingState(
