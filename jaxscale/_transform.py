@@ -207,7 +207,9 @@ def dynamic_scaling(
 
     ``update`` takes the gradients of the *scaled* loss (see
     :func:`value_and_grad`). It unscales them, checks that every unscaled
-    gradient is finite (fused with the unscale), and then:
+    gradient is finite (one read of the gradients on the common path: a scale
+    >= 1 cannot make a finite gradient overflow, so a float32 sum per leaf
+    settles it; otherwise an exact check of the unscaled values runs), and then:
 
     * finite step: runs ``inner`` on the unscaled gradients and returns its
       updates;
