@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -147,17 +148,7 @@ def from_torch_state_dict(state_dict: dict[str, Any], **overrides: Any) -> Any:
             f"`state_dict['_growth_tracker']` must be in [0, growth_interval) = "
             f"[0, {ls.growth_interval}), got {tracker}."
         )
-    return type(ls)(
-        loss_scale=ls.loss_scale,
-        growth_tracker=jnp.asarray(tracker, jnp.int32),
-        hysteresis_tracker=ls.hysteresis_tracker,
-        growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor,
-        growth_interval=ls.growth_interval,
-        hysteresis=ls.hysteresis,
-        min_scale=ls.min_scale,
-        max_scale=ls.max_scale,
-    )
+    return dataclasses.replace(ls, growth_tracker=jnp.asarray(tracker, jnp.int32))
 
 
 def to_torch_state_dict(loss_scale: Any, *, strict: bool = True) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Runs on concrete values, once, on the restore path: never inside the train step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -179,7 +180,8 @@ def _validate_loss_scale(ls: Any, c: _Checker) -> Any:
         )
         if not (s_changed or t_changed or h_changed):
             return ls
-        return DynamicLossScale(
+        return dataclasses.replace(
+            ls,
             loss_scale=jnp.asarray(x, jnp.float32) if s_changed else ls.loss_scale,
             growth_tracker=jnp.asarray(t, jnp.int32)
             if t_changed
@@ -187,12 +189,6 @@ def _validate_loss_scale(ls: Any, c: _Checker) -> Any:
             hysteresis_tracker=(
                 jnp.asarray(h, jnp.int32) if h_changed else ls.hysteresis_tracker
             ),
-            growth_factor=ls.growth_factor,
-            backoff_factor=ls.backoff_factor,
-            growth_interval=ls.growth_interval,
-            hysteresis=ls.hysteresis,
-            min_scale=ls.min_scale,
-            max_scale=ls.max_scale,
         )
     raise TypeError(
         f"`{c.name('')[:-1] or 'state'}` must be a jxs.LossScale with a known "
