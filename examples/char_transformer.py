@@ -276,9 +276,12 @@ def gradient_underflow(model32: GPT, model16: GPT, x, y, scale: float) -> dict:
     return out
 
 
-def plot(runs, path: str) -> None:
-    import matplotlib
-
+def plot(runs, path: str) -> bool:
+    """Saves loss curves and the loss scale to ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - depends on the environment
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -319,6 +322,7 @@ def plot(runs, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW rate")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak AdamW rate")
     parser.add_argument("--clip", type=float, default=1.0, help="max global norm")
     parser.add_argument(
         "--growth-interval",
@@ -403,8 +407,10 @@ def main(argv: list[str] | None = None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "char_transformer.png")
-    plot(runs, path)
-    print(f"plot saved to {path}")
+    if plot(runs, path):
+        print(f"plot saved to {os.path.abspath(path)}")
+    else:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
 
 
 if __name__ == "__main__":

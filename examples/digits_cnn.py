@@ -75,7 +75,13 @@ class CNN(nn.Module):
 
 def load_data(seed: int, test_fraction: float = 0.25):
     """The digits as ``f32[n, 8, 8, 1]`` in [0, 1] and ``i32[n]`` labels, split."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            "This example needs scikit-learn for its bundled digits dataset: "
+            "pip install scikit-learn"
+        ) from None
 
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[..., None]
@@ -223,9 +229,12 @@ def gradient_underflow(model, params, x, y, scale: float) -> dict[str, Any]:
     }
 
 
-def plot(runs, path: str) -> None:
-    import matplotlib
-
+def plot(runs, path: str) -> bool:
+    """Saves loss curves and the loss scale to ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - depends on the environment
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -258,6 +267,7 @@ def plot(runs, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -358,8 +368,10 @@ def main(argv: list[str] | None = None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "digits_cnn.png")
-    plot(runs, path)
-    print(f"\nplot saved to {path}")
+    if plot(runs, path):
+        print(f"\nplot saved to {os.path.abspath(path)}")
+    else:
+        print("\nno plot: matplotlib is not installed (pip install matplotlib)")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,38 @@ def _check_diagnostics(out: str) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _check_png(out: str) -> None:
+    png = Path(re.search(r"^plot saved to (.+\.png)$", out, re.M).group(1))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_digits_cnn(out: str) -> None:
+    # The accuracy table: one row per run, train and test accuracy in percent.
+    for run in ("fp32", "fp16", "fp16+jaxscale"):
+        assert re.search(rf"^{re.escape(run)} +[\d.]+% +[\d.]+% ", out, re.M), out
+    assert "fp16+jaxscale vs fp32 test accuracy:" in out
+    # Underflow at the initial parameters: the scale keeps what fp16 flushes.
+    rows = re.findall(r"^initial +2\*\*(\d+) +([\d.]+)%", out, re.M)
+    assert [r[0] for r in rows] == ["0", "16"], out
+    assert float(rows[1][1]) < float(rows[0][1])
+    _check_png(out)
+
+
+def _check_char_transformer(out: str) -> None:
+    for run in ("fp32", "fp16+jaxscale"):
+        assert re.search(rf"^{re.escape(run)} +[\d.]+ +[\d.]+ ", out, re.M), out
+    assert "fp16+jaxscale vs fp32 validation loss:" in out
+    assert re.search(r"loss scale 2\*\*0 .*% flushed to zero", out), out
+    _check_png(out)
+
+
 # Extra checks of an example's output, by file name.
-CHECKS = {"quickstart.py": _check_quickstart, "diagnostics.py": _check_diagnostics}
+CHECKS = {
+    "quickstart.py": _check_quickstart,
+    "diagnostics.py": _check_diagnostics,
+    "digits_cnn.py": _check_digits_cnn,
+    "char_transformer.py": _check_char_transformer,
+}
 
 
 def test_there_are_examples():
