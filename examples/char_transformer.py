@@ -9,7 +9,9 @@ The same model, seed and batches are trained twice:
 
 1. ``fp32``: float32 compute, the reference;
 2. ``fp16+jaxscale``: float16 compute (``dtype=jnp.float16`` in every layer,
-   float32 parameters), ``jxs.dynamic_scaling`` around the optimizer.
+   float32 parameters), ``jxs.dynamic_scaling`` around the optimizer (the
+   scale grows after 50 finite steps instead of torch's 2000, so that a short
+   run shows it move).
 
 Both use the nanoGPT recipe: AdamW with warm-up and cosine decay, gradient
 clipping by global norm and gradient accumulation over micro-batches. Clipping

@@ -2,7 +2,8 @@
 
 A small Flax (linen) CNN learns the 8x8 handwritten digits that ship with
 scikit-learn (``sklearn.datasets.load_digits``: 1797 images, no download). The
-same model, seed, batches and optimizer are trained three times:
+same model, initial parameters, seed, batches and optimizer are trained three
+times:
 
 1. ``fp32``: float32 compute, the reference;
 2. ``fp16``: float16 compute, no loss scaling;
@@ -12,14 +13,17 @@ same model, seed, batches and optimizer are trained three times:
 The master parameters stay in float32 in every run. The loss function casts the
 parameters and the images to the compute dtype, so the forward and backward
 passes run in it, and reduces the cross-entropy (a mean over the batch) in
-float32. The optimizer is plain SGD with momentum, which (unlike Adam) does not
-rescale small gradients: what underflows in float16 is lost, and what becomes
-subnormal keeps only a few bits. The script then measures, on one batch, which
-fraction of the gradient elements that are non-zero in float32 come out as zero
-in float16 without scaling and with the final loss scale. It prints an accuracy
-table and saves a plot (loss curves; loss scale with the skipped steps marked).
+float32. The setting favours underflow: a mean over the batch divides every
+per-example gradient by the batch size, the kernels start at 0.3 times the usual
+(LeCun) scale, and the optimizer is SGD with momentum, which (unlike Adam) does
+not rescale small gradients, so what float16 flushes to zero is simply lost.
 
-Run it (about a minute on a CPU)::
+The script prints an accuracy table, then measures on one batch which fraction
+of the gradient elements that are non-zero in float32 come out of the float16
+backward pass as zero (or subnormal), without a loss scale and with one, and
+saves a plot (loss curves; the loss scale with the skipped steps marked).
+
+Run it (under a minute on a 2-core CPU)::
 
     python examples/digits_cnn.py --steps 1500 --seed 0
 """
