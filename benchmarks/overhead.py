@@ -274,6 +274,15 @@ def report(
     bound = 1.0 + 1.5 * max(r_read - 1.0, 0.0)
     print(f"  scaled/bare    = {r_scaled:.4f}  (overhead {100 * (r_scaled - 1):+.2f}%)")
     print(f"  extraread/bare = {r_read:.4f}  (overhead {100 * (r_read - 1):+.2f}%)")
+    # Paired per round: the variants of one round ran back to back, so their
+    # ratio cancels most of the machine's drift; its median is the robust figure.
+    for name in ("scaled", "extraread"):
+        paired = [a / b for a, b in zip(times[name], times["bare"], strict=True)]
+        q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        print(
+            f"  {name}/bare per round: median {statistics.median(paired):.4f} "
+            f"[quartiles {q[0]:.4f}, {q[2]:.4f}]"
+        )
     print(
         f"  scaled steps skipped: {int(state.skipped_steps)} of {int(state.steps)}"
         f" (final scale {float(state.loss_scale.loss_scale):g})"
