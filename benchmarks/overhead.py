@@ -25,6 +25,11 @@ Run::
 
     python benchmarks/overhead.py                 # both models, quick defaults
     python benchmarks/overhead.py --model mlp --rounds 15 --steps-per-round 10
+
+On a shared machine, single-threaded XLA pinned to one core is far steadier::
+
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+        taskset -c 1 python benchmarks/overhead.py --model mlp --rounds 41
 """
 
 from __future__ import annotations
