@@ -13,23 +13,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
-
-
-def bits(tree):
-    """Bit patterns of every leaf, to compare states bit for bit (NaN, -0.0)."""
-    out = []
-    for x in jax.tree.leaves(tree):
-        a = np.asarray(x)
-        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-            a = a.view(f"u{a.dtype.itemsize}")
-        out.append(a)
-    return out
-
-
-def assert_bit_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(bits(a), bits(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+from jaxscale.testing import assert_bit_identical
 
 
 def init_params(seed=0):

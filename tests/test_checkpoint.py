@@ -16,6 +16,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
+from jaxscale.testing import assert_bit_identical
 
 ocp = pytest.importorskip("orbax.checkpoint")
 serialization = pytest.importorskip("flax.serialization")
@@ -25,20 +26,6 @@ STEPS = 24
 # the first, backs off on the second and third), isolated overflows, and long
 # enough finite runs for growth (growth_interval=3).
 POISON = frozenset({2, 3, 4, 9, 15, 16, 21})
-
-
-def bits(tree):
-    """Bit patterns of every leaf (so NaN, -0.0 and dtypes compare exactly)."""
-    out = []
-    for x in jax.tree.leaves(tree):
-        a = np.asarray(x)
-        out.append((a.dtype.name, a.shape, a.tobytes()))
-    return out
-
-
-def assert_bit_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    assert bits(a) == bits(b)
 
 
 def loss_fn(params, batch):
@@ -195,7 +182,7 @@ def test_flax_train_state_round_trip(tmp_path):
         restored = backend(tmp_path / backend.__name__, ts, fresh)
         restored = jxs.validate_state(restored)
         # `tx` is a static field of the TrainState: compare everything else.
-        assert bits(restored) == bits(ts)
+        assert_bit_identical(jax.tree.leaves(ts), jax.tree.leaves(restored))
         assert jax.tree.structure(restored.opt_state) == jax.tree.structure(
             ts.opt_state
         )

@@ -14,6 +14,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
+from jaxscale.testing import assert_bit_identical
 
 flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
@@ -21,22 +22,6 @@ from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import jaxscale.flax as jxf  # noqa: E402
-
-
-def bits(tree):
-    out = []
-    for x in jax.tree.leaves(tree):
-        a = np.asarray(x)
-        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-            a = a.view(f"u{a.dtype.itemsize}")
-        out.append(a)
-    return out
-
-
-def assert_bit_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(bits(a), bits(b), strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 def data(n=32, seed=0):

@@ -11,22 +11,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
-
-
-def bits(tree):
-    """Bit patterns of every leaf, to compare states bit for bit (NaN, -0.0)."""
-    return [
-        np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}")
-        if np.asarray(x).dtype.kind == "f" or np.asarray(x).dtype.name == "bfloat16"
-        else np.asarray(x)
-        for x in jax.tree.leaves(tree)
-    ]
-
-
-def assert_bit_identical(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(bits(a), bits(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+from jaxscale.testing import assert_bit_identical
 
 
 def make_params(dtype=jnp.float32):
