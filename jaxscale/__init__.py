@@ -15,6 +15,7 @@ from jaxscale._checkpoint import (
 )
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
+from jaxscale._composition import CompositionWarning as CompositionWarning
 from jaxscale._diagnostics import UnderflowReport as UnderflowReport
 from jaxscale._diagnostics import layer_norms as layer_norms
 from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
+    "CompositionWarning",
     "DynamicLossScale",
     "DynamicScalingState",
     "LossScale",

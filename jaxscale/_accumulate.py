@@ -26,6 +26,7 @@ import optax
 from jax import lax
 from optax import OptState, Params, Updates
 
+from jaxscale._distributed import match_varying
 from jaxscale._structure import check_updates_match_params
 from jaxscale._transform import _negative_zeros, loss_scale_of, value_and_grad
 from jaxscale._tree import is_float_leaf
@@ -188,8 +189,10 @@ def accumulate(
             return inner.update(mean, inner_state, params, **extra_args)
 
         def wait(operand):
-            out_updates, _ = jax.eval_shape(apply, operand)
-            return _negative_zeros(out_updates), operand[2]
+            out_updates, out_inner = jax.eval_shape(apply, operand)
+            # Typed as ``apply`` types it (varying over ``shard_map`` axes).
+            kept = jax.tree.map(match_varying, operand[2], out_inner)
+            return _negative_zeros(out_updates), kept
 
         new_updates, new_inner = lax.cond(
             emit, apply, wait, (total, updates, state.inner_state)

@@ -12,14 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._composition import find_state
 from jaxscale._hooks import leaf_names, path_name
 from jaxscale._loss_scale import DynamicLossScale, LossScale
-from jaxscale._transform import (
-    DynamicScalingState,
-    _is_variable,
-    _unwrap_variable,
-    loss_scale_of,
-)
+from jaxscale._transform import DynamicScalingState, loss_scale_of
 from jaxscale._tree import is_float_leaf
 
 __all__ = [
@@ -37,33 +33,7 @@ _MIN_EXP, _MAX_EXP = -126, 127
 
 def _scaling_state_of(opt_state: Any, name: str = "opt_state") -> DynamicScalingState:
     """Finds the one :class:`DynamicScalingState` in a nested optimizer state."""
-    if isinstance(opt_state, DynamicScalingState):
-        found = [opt_state]
-    else:
-        if not isinstance(opt_state, tuple | list | dict) and hasattr(
-            opt_state, "opt_state"
-        ):
-            opt_state = opt_state.opt_state
-        found = [
-            x
-            for x in jax.tree.leaves(
-                opt_state,
-                is_leaf=lambda x: isinstance(x, DynamicScalingState) or _is_variable(x),
-            )
-            if isinstance(x, DynamicScalingState)
-        ]
-    if not found:
-        raise ValueError(
-            f"`{name}` contains no jxs.DynamicScalingState. Build the optimizer "
-            "with `jxs.dynamic_scaling(inner)` and pass its state (or a TrainState "
-            f"/ nnx.Optimizer holding it); got {type(opt_state).__name__}."
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"`{name}` contains {len(found)} jxs.DynamicScalingState; expected "
-            "exactly one. Pass the sub-state you mean."
-        )
-    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
+    return find_state(opt_state, DynamicScalingState, name)[1]
 
 
 def summary(opt_state: Any) -> dict[str, jax.Array]:
@@ -84,8 +54,8 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     * ``loss_scale`` (``f32``): the scale for the next step.
     * ``growth_tracker``, ``hysteresis_tracker`` (``i32``): only for a
       :class:`DynamicLossScale`.
-    * ``nonfinite_leaves`` (``i32``): only with ``track_nonfinite=True``, how
-      many gradient leaves were non-finite on the last step.
+    * ``nonfinite_leaves`` (``i32``): how many gradient leaves were non-finite
+      on the last step (:func:`nonfinite_paths` names them).
 
     Args:
       opt_state: the state of :func:`dynamic_scaling`, or any state (``chain``,
@@ -115,6 +85,7 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
       loss_scale: 32768.0
       growth_tracker: 0
       hysteresis_tracker: 1
+      nonfinite_leaves: 1
     """
     state = _scaling_state_of(opt_state)
     ls = state.loss_scale
@@ -129,10 +100,9 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     if isinstance(ls, DynamicLossScale):
         out["growth_tracker"] = ls.growth_tracker
         out["hysteresis_tracker"] = ls.hysteresis_tracker
-    if state.nonfinite_leaves is not None:
-        flags = jax.tree.leaves(state.nonfinite_leaves)
-        count = jnp.zeros((), jnp.int32)
-        for f in flags:
+    if state.nonfinite_leaves is not None:  # always, but in 0.1.0 states
+        count = state.steps - state.steps  # 0 on device: no transfer
+        for f in jax.tree.leaves(state.nonfinite_leaves):
             count = count + f.astype(jnp.int32)
         out["nonfinite_leaves"] = count
     return out
@@ -141,29 +111,30 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
 def nonfinite_paths(flags_or_state: Any) -> list[str]:
     """Names of the gradient leaves that were non-finite on the last step.
 
-    Works with :func:`dynamic_scaling` built with ``track_nonfinite=True``,
-    whose state keeps one ``bool[]`` flag per gradient leaf in
-    ``nonfinite_leaves``. Names are key paths joined by ``/``, e.g.
+    :func:`dynamic_scaling` keeps one ``bool[]`` flag per gradient leaf in
+    ``DynamicScalingState.nonfinite_leaves`` (computed on skipped steps only,
+    so a finite step does not pay for it). Names are key paths joined by ``/``, e.g.
     ``"encoder/layers/0/kernel"`` (``"<root>"`` for a tree that is one array).
     This reads the flags, so it synchronises with the device: call it on the
     host, e.g. when ``jxs.summary(state)["last_step_finite"]`` is false.
 
     Args:
       flags_or_state: a pytree of ``bool[]`` flags, or an optimizer state
-        holding a :class:`DynamicScalingState` built with ``track_nonfinite``.
+        holding a :class:`DynamicScalingState`.
 
     Returns:
       The names of the flagged leaves, in tree order (empty after a finite step).
 
     Raises:
-      ValueError: if the state was built without ``track_nonfinite=True``.
+      ValueError: if the state holds no flags (a jaxscale 0.1.0 state built
+        without ``track_nonfinite=True``).
       TypeError: if called on traced values (inside ``jit``), or if a flag is
         not a boolean scalar.
 
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp, optax
-      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), track_nonfinite=True)
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
       >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}}
       >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.ones(1)}}
       >>> _, state = tx.update(grads, tx.init(params), params)
@@ -181,8 +152,10 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
         state = _scaling_state_of(flags_or_state, "flags_or_state")
         if state.nonfinite_leaves is None:
             raise ValueError(
-                "`flags_or_state` holds no per-leaf flags: build the optimizer with "
-                "`jxs.dynamic_scaling(inner, track_nonfinite=True)`."
+                "`flags_or_state` holds no per-leaf flags (`nonfinite_leaves` is "
+                "None: a state from jaxscale 0.1.0). Restore the checkpoint into "
+                "`tx.init(params)` of this version, which always keeps the flags "
+                "(see the checkpointing guide)."
             )
         flags = state.nonfinite_leaves
     names = leaf_names(flags)

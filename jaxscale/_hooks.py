@@ -197,11 +197,7 @@ class Options(NamedTuple):
 
     @property
     def any(self) -> bool:
-        return (
-            self.track_nonfinite
-            or self.on_overflow is not None
-            or self.warn_at_floor_after is not None
-        )
+        return self.on_overflow is not None or self.warn_at_floor_after is not None
 
 
 def make_options(
@@ -254,28 +250,17 @@ def count_at_floor(loss_scale: Any, count: jax.Array) -> jax.Array:
     return jnp.where(at_floor, bumped, 0).astype(jnp.int32)
 
 
-def diagnose(
-    options: Options,
-    grads: Any,
-    state: Any,
-    new_state: Any,
-    finite: jax.Array,
-    hi: jax.Array,
-    lo: jax.Array,
-) -> Any:
-    """The opt-in part of ``update``: flags, overflow hook, floor warning."""
-    flags = None
-    if options.track_nonfinite or options.on_overflow is not None:
-        # On a finite step every flag is false: read the gradients again only
-        # on a skipped step.
-        flags = lax.cond(finite, no_flags, lambda g: nonfinite_flags(g, hi, lo), grads)
-    if options.track_nonfinite:
-        new_state = new_state._replace(nonfinite_leaves=flags)
+def diagnose(options: Options, state: Any, new_state: Any, finite: jax.Array) -> None:
+    """The opt-in part of ``update``: the overflow hook and the floor warning.
+
+    The per-leaf flags are always in ``new_state.nonfinite_leaves`` (computed on
+    skipped steps only), so nothing here reads the gradients again.
+    """
     if options.on_overflow is not None:
         overflow_callback(
             options.on_overflow,
             ~finite,
-            flags,
+            new_state.nonfinite_leaves,
             state.steps,
             state.loss_scale.loss_scale,
             new_state.loss_scale.loss_scale,
@@ -288,4 +273,3 @@ def diagnose(
             state.steps,
             options.min_scale,
         )
-    return new_state

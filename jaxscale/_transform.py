@@ -13,6 +13,13 @@ from jax import lax
 from optax import OptState, Params, Updates
 
 from jaxscale import _distributed, _hooks
+from jaxscale._composition import (
+    check_composition,
+    check_inner,
+    find_state,
+    is_variable,
+    unwrap_variable,
+)
 from jaxscale._loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -23,7 +30,7 @@ from jaxscale._structure import (
     check_updates_match_params,
     explain_structure_errors,
 )
-from jaxscale._tree import is_float_leaf, saturating_increment
+from jaxscale._tree import is_float_leaf, saturating_increment, widen
 
 __all__ = [
     "DynamicScalingState",
@@ -48,10 +55,12 @@ class DynamicScalingState(NamedTuple):
       steps_at_floor: ``i32[]``, consecutive steps after which the scale sat at
         its floor (``min_scale`` of a :class:`DynamicLossScale`; always 0 for
         other kinds). Many in a row mean training diverges.
-      nonfinite_leaves: ``None``, unless built with ``track_nonfinite=True``:
-        then ``bool[]`` flags in the structure of the gradients, true for each
-        leaf that was non-finite (after unscaling) on the last step; see
-        :func:`nonfinite_paths`.
+      nonfinite_leaves: ``bool[]`` flags in the structure of the gradients,
+        true for each leaf that was non-finite (after unscaling) on the last
+        step; see :func:`nonfinite_paths`. They are computed on skipped steps
+        only (a finite step sets them to ``False`` without reading the
+        gradients again), and their structure never depends on options, so a
+        checkpoint restores into any ``dynamic_scaling`` of the same params.
 
     Examples:
       >>> import jaxscale as jxs
@@ -68,7 +77,7 @@ class DynamicScalingState(NamedTuple):
     consecutive_skips: jax.Array
     last_step_finite: jax.Array
     steps_at_floor: jax.Array
-    nonfinite_leaves: Any = None
+    nonfinite_leaves: Any = None  # ``None`` only in states of jaxscale 0.1.0
 
 
 def _fresh_copy_factory(loss_scale: LossScale) -> Callable[[], LossScale]:
@@ -101,6 +110,30 @@ def _negative_zeros(tree: Any) -> Any:
         return _distributed.match_varying(x, s)
 
     return jax.tree.map(leaf, tree)
+
+
+def _no_flag_like(g: Any) -> jax.Array:
+    """A ``False`` flag typed like ``~all(isfinite(g))`` (same varying axes)."""
+    flag = jnp.zeros((), jnp.bool_)
+    if not isinstance(g, jax.Array):
+        return flag
+    return _distributed.match_varying(flag, jax.typeof(g))
+
+
+def _cast_like(updates: Any, like: Any) -> Any:
+    """Casts each float update to the dtype of its parameter (or gradient).
+
+    ``inner`` computes half-precision leaves in float32; their updates go back
+    to the leaf's own dtype, as ``optax.apply_updates`` expects.
+    """
+
+    def leaf(u: Any, p: Any) -> Any:
+        if u is None or not is_float_leaf(u) or not is_float_leaf(p):
+            return u
+        dtype = jnp.result_type(p)
+        return u if jnp.result_type(u) == dtype else jnp.asarray(u).astype(dtype)
+
+    return jax.tree.map(leaf, updates, like, is_leaf=lambda x: x is None)
 
 
 def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
@@ -224,14 +257,27 @@ def dynamic_scaling(
     fresh buffers on every call (safe with ``donate_argnums``).
 
     Put clipping and other gradient transformations *inside* ``inner`` so they
-    see unscaled gradients. Float leaves of any dtype (f16, bf16, f32, f64 with
-    x64) are unscaled in their own dtype (see :meth:`LossScale.unscale`); integer
-    and ``None`` leaves pass through to ``inner`` untouched.
+    see unscaled gradients: ``jxs.dynamic_scaling(optax.chain(clip, adam))``.
+    Wrong nestings that the optimizer state reveals (a transformation in front
+    of the wrapper, the wrapper inside ``optax.MultiSteps`` or one
+    ``optax.multi_transform`` group) are refused by :func:`value_and_grad` and
+    :func:`loss_scale_of` at trace time.
 
-    The diagnostics (``track_nonfinite``, ``on_overflow``,
-    ``warn_at_floor_after``) are decided when the transformation is built: with
-    all of them off, the default, none of their code is traced and the compiled
-    step is the plain one. See the diagnostics guide.
+    Half precision: ``inner`` always computes in at least float32. Gradients of
+    float16, bfloat16 (and fp8) leaves are unscaled into float32 and passed to
+    ``inner`` in float32 together with float32 copies of such parameters, so
+    ``inner``'s state (e.g. adam's moments) is float32 for those leaves and
+    stock optax is exact for them (a float16 ``eps=1e-8`` would be 0, a float16
+    global norm would overflow); the updates come back in each parameter's own
+    dtype. This is the master-weight arithmetic of apex and torch AMP; it costs
+    the float32 state of half-precision leaves (float32 leaves are unchanged).
+    Integer and ``None`` leaves pass through to ``inner`` untouched.
+
+    The per-leaf overflow flags (``nonfinite_leaves``, read with
+    :func:`nonfinite_paths`) are always kept, at no cost on finite steps. The
+    hooks (``on_overflow``, ``warn_at_floor_after``) are decided when the
+    transformation is built: with both off, the default, none of their code is
+    traced. See the diagnostics guide.
 
     Several devices (see the multi-device guide): under ``jit`` with sharded
     parameters and gradients nothing is needed, as the finite check reduces
@@ -246,9 +292,8 @@ def dynamic_scaling(
       loss_scale: the initial :class:`LossScale`; default
         ``DynamicLossScale.create()`` (init ``2**16``, torch's defaults).
         ``NoOpLossScale`` keeps only the skipping of non-finite steps.
-      track_nonfinite: keep, in ``nonfinite_leaves``, one ``bool[]`` flag per
-        gradient leaf: was it non-finite on the last step
-        (:func:`nonfinite_paths` names them). Off by default.
+      track_nonfinite: accepted for compatibility with jaxscale 0.1.0 and
+        ignored: the per-leaf flags are always kept now.
       on_overflow: ``None`` (default), or a function called on the host, through
         ``jax.debug.callback``, on every skipped step and only then, with an
         :class:`OverflowEvent` (step, scale, offending leaf paths).
@@ -306,6 +351,8 @@ def dynamic_scaling(
       >>> int(opt_state.skipped_steps), opt_state.loss_scale.loss_scale
       (1, Array(32768., dtype=float32))
     """
+    if isinstance(inner, optax.MultiSteps):
+        check_inner(inner, None)
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "`inner` must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
@@ -326,15 +373,17 @@ def dynamic_scaling(
     fresh_loss_scale = _fresh_copy_factory(loss_scale)
 
     def init_fn(params: Params) -> DynamicScalingState:
+        inner_state = inner.init(jax.tree.map(widen, params))
+        check_inner(inner, inner_state)
         state = DynamicScalingState(
             loss_scale=fresh_loss_scale(),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             steps=jnp.zeros((), jnp.int32),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_step_finite=jnp.ones((), jnp.bool_),
             steps_at_floor=jnp.zeros((), jnp.int32),
-            nonfinite_leaves=_hooks.no_flags(params) if track_nonfinite else None,
+            nonfinite_leaves=_hooks.no_flags(params),
         )
         # On a multi-device mesh: the same replicated scale on every device.
         return _distributed.place_replicated(state, params, skip="inner_state")
@@ -358,18 +407,33 @@ def dynamic_scaling(
 
         def apply(operand):
             grads, inner_state = operand
-            unscaled = jax.tree.map(lambda g: unscale_leaf(g, hi, lo), restore(grads))
-            return inner.update(unscaled, inner_state, params, **extra_args)
+            grads = restore(grads)
+            # Half-precision leaves reach ``inner`` in float32 (master-weight
+            # arithmetic): unscaled, but not cast back, with float32 params.
+            unscaled = jax.tree.map(lambda g: unscale_leaf(widen(g), hi, lo), grads)
+            wide_params = None if params is None else jax.tree.map(widen, params)
+            new_updates, new_inner = inner.update(
+                unscaled, inner_state, wide_params, **extra_args
+            )
+            like = grads if params is None else params
+            flags = jax.tree.map(_no_flag_like, grads)
+            return _cast_like(new_updates, like), new_inner, flags
 
         def skip(operand):
-            _, inner_state = operand
-            out_updates, _ = jax.eval_shape(apply, operand)
-            return _negative_zeros(out_updates), inner_state
+            grads, inner_state = operand
+            out_updates, out_inner, _ = jax.eval_shape(apply, operand)
+            # The inner state comes back unchanged, typed as ``apply`` types it
+            # (e.g. varying over ``shard_map`` axes, as its gradients are).
+            kept = jax.tree.map(_distributed.match_varying, inner_state, out_inner)
+            flags = _hooks.nonfinite_flags(restore(grads), hi, lo)
+            return _negative_zeros(out_updates), kept, flags
 
         with explain_structure_errors(updates, state.inner_state):
-            new_updates, new_inner = lax.cond(
+            new_updates, new_inner, flags = lax.cond(
                 finite, apply, skip, (grads, state.inner_state)
             )
+        if axis_name is not None:  # one set of flags for every replica
+            flags = _distributed.any_replica(flags, axis_name)
         new_ls = ls.adjust(finite)
         new_state = DynamicScalingState(
             loss_scale=new_ls,
@@ -383,45 +447,35 @@ def dynamic_scaling(
             ).astype(jnp.int32),
             last_step_finite=finite,
             steps_at_floor=_hooks.count_at_floor(new_ls, state.steps_at_floor),
+            nonfinite_leaves=flags,
         )
         if diagnostics is not None:
-            new_state = _hooks.diagnose(
-                diagnostics, updates, state, new_state, finite, hi, lo
-            )
-            if axis_name is not None and new_state.nonfinite_leaves is not None:
-                new_state = new_state._replace(
-                    nonfinite_leaves=_distributed.any_replica(
-                        new_state.nonfinite_leaves, axis_name
-                    )
-                )
+            _hooks.diagnose(diagnostics, state, new_state, finite)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _unwrap_variable(x: Any) -> Any:
-    """Returns the array inside a Flax NNX variable wrapper (e.g. ``OptArray``)."""
-    if isinstance(x, jax.Array | np.ndarray):
-        return x
-    for attr in ("get_value", "value"):
-        if hasattr(x, attr):
-            v = getattr(x, attr)
-            return v() if callable(v) else v
-    return x
-
-
-def _is_variable(x: Any) -> bool:
-    return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
+# Kept for the modules that import them from here.
+_unwrap_variable, _is_variable = unwrap_variable, is_variable
 
 
 def loss_scale_of(opt_state: Any) -> LossScale:
     """Finds the :class:`LossScale` inside any nested optimizer state.
 
-    Looks through ``optax.chain``, ``optax.inject_hyperparams``,
-    ``optax.MultiSteps``, a Flax ``TrainState`` (or anything with an
-    ``opt_state`` attribute, such as an ``nnx.Optimizer``), and unwraps the
-    ``nnx.OptArray`` variables NNX puts around state leaves. A
+    Looks through :func:`accumulate`, a Flax ``TrainState`` (or anything with
+    an ``opt_state`` attribute, such as an ``nnx.Optimizer``) and any container,
+    and unwraps the ``nnx.OptArray`` variables NNX puts around state leaves. A
     :class:`LossScale` passed in is returned as is.
+
+    It also checks, from the structure of the state alone (at trace time, at no
+    cost in the compiled step), that :func:`dynamic_scaling` is nested right: a
+    transformation chained in front of it (it would see *scaled* gradients), or
+    the wrapper inside ``optax.MultiSteps``, ``optax.multi_transform`` or
+    ``optax.masked``, raises a ``ValueError`` that says how to nest it;
+    ``optax.inject_hyperparams`` around it, or stateful transformations chained
+    after it, warn (:class:`CompositionWarning`). :func:`value_and_grad` calls
+    it, so every training step is checked.
 
     Args:
       opt_state: an optimizer state (or object holding one) that contains
@@ -431,41 +485,45 @@ def loss_scale_of(opt_state: Any) -> LossScale:
       The :class:`LossScale`, with plain arrays as leaves.
 
     Raises:
-      ValueError: if there is no loss scale, or more than one, in ``opt_state``.
+      ValueError: if there is no loss scale, or more than one, in ``opt_state``,
+        or if ``jxs.dynamic_scaling`` is nested wrongly (see
+        :class:`CompositionWarning` for the orders that only warn).
+      TypeError: if ``opt_state`` is a number (use :class:`StaticLossScale`).
 
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp, optax
-      >>> tx = optax.chain(optax.clip(1.0), jxs.dynamic_scaling(optax.adam(1e-3)))
+      >>> tx = jxs.accumulate(jxs.dynamic_scaling(optax.adam(1e-3)), every_k=2)
       >>> jxs.loss_scale_of(tx.init(jnp.zeros(3))).loss_scale
       Array(65536., dtype=float32)
+
+      Wrong nestings are refused, e.g. a clip that would see scaled gradients:
+
+      >>> tx = optax.chain(optax.clip(1.0), jxs.dynamic_scaling(optax.adam(1e-3)))
+      >>> jxs.loss_scale_of(tx.init(jnp.zeros(3)))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+        ...
+      ValueError: `opt_state`: `jxs.dynamic_scaling` is element 1 of an ...: ...
     """
+    return _find_loss_scale(opt_state, "opt_state")
+
+
+def _find_loss_scale(opt_state: Any, name: str) -> LossScale:
+    """:func:`loss_scale_of`, naming the argument ``name`` in its errors."""
     if isinstance(opt_state, LossScale):
-        return jax.tree.map(_unwrap_variable, opt_state, is_leaf=_is_variable)
-    if not isinstance(opt_state, tuple | list | dict) and hasattr(
-        opt_state, "opt_state"
+        return jax.tree.map(unwrap_variable, opt_state, is_leaf=is_variable)
+    if isinstance(opt_state, int | float | np.number) or (
+        isinstance(opt_state, jax.Array | np.ndarray) and np.ndim(opt_state) == 0
     ):
-        opt_state = opt_state.opt_state
-    found = [
-        x
-        for x in jax.tree.leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, LossScale) or _is_variable(x)
+        raise TypeError(
+            f"`{name}` must be a jxs.LossScale or an optimizer state holding one, "
+            f"got the number {opt_state!r}. For a fixed scale pass "
+            f"`jxs.StaticLossScale.create({opt_state!r})`; for dynamic scaling pass "
+            "the state of `jxs.dynamic_scaling(inner)`."
         )
-        if isinstance(x, LossScale)
-    ]
-    if not found:
-        raise ValueError(
-            "`opt_state` contains no jxs.LossScale. Build the optimizer with "
-            "`jxs.dynamic_scaling(inner)` and pass its state (or a TrainState / "
-            f"nnx.Optimizer holding it); got {type(opt_state).__name__}."
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"`opt_state` contains {len(found)} loss scales; expected exactly one. "
-            "Wrap the whole optimizer in a single `jxs.dynamic_scaling`, or pass "
-            "the sub-state you mean."
-        )
-    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
+    _, found = find_state(opt_state, LossScale, name)
+    check_composition(opt_state, name)
+    return found
 
 
 def value_and_grad(
@@ -506,7 +564,7 @@ def value_and_grad(
       >>> loss, grads
       (Array(2., dtype=float32), Array([2048., 2048.], dtype=float32))
     """
-    ls = loss_scale_of(loss_scale)
+    ls = _find_loss_scale(loss_scale, "loss_scale")
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out = fun(*args, **kwargs)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_finite", "is_float_leaf", "select_tree"]
+__all__ = ["all_finite", "compute_dtype", "is_float_leaf", "select_tree", "widen"]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -112,3 +112,21 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
 def saturating_increment(x: jax.Array) -> jax.Array:
     """``x + 1`` for an ``int32`` counter, stopping at the largest int32."""
     return jnp.where(x < _INT32_MAX, x + 1, x)
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """float64 for float64 leaves, float32 for every other float dtype."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def widen(x: Any) -> Any:
+    """A floating leaf narrower than float32 (f16, bf16, fp8) as float32.
+
+    float32 and float64 leaves, non-float leaves and ``None`` are returned
+    unchanged (no copy, nothing traced).
+    """
+    if not is_float_leaf(x) or isinstance(x, float):
+        return x
+    dtype = jnp.result_type(x)
+    wide = compute_dtype(dtype)
+    return x if dtype == wide else jnp.asarray(x).astype(wide)

@@ -125,10 +125,11 @@ def test_all_zero_gradients_are_finite_steps_that_count_towards_growth():
     assert all(not np.asarray(u).any() for u in jax.tree.leaves(updates))  # +-0
 
 
-def test_zero_gradients_of_float16_params_with_adam_nan_comes_from_optax():
-    """optax.adam's eps=1e-8 is 0 in float16, so a zero gradient of an f16
-    parameter gives 0/0 = NaN: optax alone does it, jaxscale feeds it finite
-    zeros. Keep master parameters in float32 (or raise eps)."""
+def test_zero_gradients_of_float16_params_with_adam_are_finite():
+    """optax.adam's eps=1e-8 is 0 in float16, so optax alone turns a zero
+    gradient of an f16 parameter into 0/0 = NaN. Inside ``dynamic_scaling`` the
+    inner optimizer computes half-precision leaves in float32 (0.1.0 passed the
+    NaN on): the update is adam's on float32 copies, cast to float16."""
     params = {"h": jnp.array([1.0, -2.0], jnp.float16)}
     zeros = jax.tree.map(jnp.zeros_like, params)
     plain = relaxed(optax.adam(1e-2))
@@ -137,10 +138,8 @@ def test_zero_gradients_of_float16_params_with_adam_nan_comes_from_optax():
     tx = jxs.dynamic_scaling(relaxed(optax.adam(1e-2)))
     u, state = tx.update(zeros, tx.init(params), params)
     assert bool(state.last_step_finite)
-    jxt.assert_bit_identical(u_plain, u)  # exactly what optax does, no more
-    safe = jxs.dynamic_scaling(relaxed(optax.adam(1e-2, eps=1e-3)))
-    u_safe, _ = safe.update(zeros, safe.init(params), params)
-    assert bool(jxs.all_finite(u_safe))
+    assert u["h"].dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(u["h"], np.float32), 0.0)
 
 
 # --------------------------------------------------------------------------- #
@@ -351,8 +350,8 @@ def test_python_float_parameter_in_value_and_grad():
         ),
         (
             lambda: jxs.value_and_grad(lambda w: w, 1024.0),
-            ValueError,
-            r"contains no jxs.LossScale",
+            TypeError,
+            r"`loss_scale` must be a jxs.LossScale.*StaticLossScale.create\(1024.0\)",
         ),
         (
             lambda: jxs.dynamic_scaling(optax.sgd(0.1), 1024.0),

@@ -462,3 +462,35 @@ def test_every_reachable_state_is_valid():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert jxs.validate_state(state) is state, t
+
+
+DIAGNOSTIC_OPTIONS = {
+    "plain": {},
+    "tracked": {"track_nonfinite": True},
+    "hooks": {"on_overflow": lambda event: None, "warn_at_floor_after": 5},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("saved", DIAGNOSTIC_OPTIONS)
+@pytest.mark.parametrize("restored", DIAGNOSTIC_OPTIONS)
+def test_diagnostic_options_never_change_what_restores(
+    tmp_path, backend, saved, restored
+):
+    """Switching a diagnostic on or off between save and restore is safe: the
+    state's structure does not depend on them (0.1.0 added a flags subtree with
+    ``track_nonfinite=True``, which broke both orbax and flax restores)."""
+    params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+
+    def make(options):
+        return jxs.dynamic_scaling(optax.sgd(0.1), **DIAGNOSTIC_OPTIONS[options])
+
+    tx = make(saved)
+    state = tx.init(params)
+    bad = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.ones(2)}
+    _, state = jax.jit(tx.update)(bad, state, params)
+    jax.effects_barrier()
+    out = BACKENDS[backend](tmp_path, state, make(restored).init(params))
+    out = jxs.validate_state(out)
+    assert_bit_identical(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, state))
+    assert jxs.nonfinite_paths(out) == ["w"]

@@ -592,3 +592,27 @@ def test_on_overflow_fires_once_per_replica_with_its_own_paths():
     assert len(events) == N
     assert sorted(e.paths for e in events) == [()] * (N - 1) + [("a",)]
     assert {e.next_loss_scale for e in events} == {INIT / 2}
+
+
+@pytest.mark.parametrize("wrap", ["dynamic_scaling", "accumulate"])
+def test_shard_map_check_vma_stateful_inner_with_varying_grads(wrap):
+    """A stateful inner optimizer fed gradients that vary over the axis, under
+    ``check_vma=True``: the skip branch types the unchanged inner state as the
+    apply branch does (varying), so tracing succeeds and both steps run. (In
+    0.1.0 this raised a TypeError blaming dtypes, shapes or integer leaves.)"""
+    mesh = mesh_of(AxisType.Auto)
+    tx = jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9), axis_name="data")
+    if wrap == "accumulate":
+        tx = jxs.accumulate(tx, every_k=1)
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    per_replica = shard_map_step(tx, mesh, check_vma=True, per_replica=True)
+    new_params, new_state = per_replica(params, state, replica_grads(bad=None))
+    assert bool(jnp.all(jxs.loss_scale_of(new_state).loss_scale == INIT))
+    mine = np.asarray(replica_grads(value=1.0, bad=None))
+    np.testing.assert_allclose(new_params, -0.1 * mine, rtol=1e-6)
+    one = jax.tree.map(lambda x: x[0], new_state)
+    skipped_params, skipped = per_replica(new_params[0], one, replica_grads())
+    summary = jxs.summary(skipped)
+    assert bool(jnp.all(summary["skipped_steps"] == 1)), "every replica skips"
+    assert_bit_identical(skipped_params, jnp.broadcast_to(new_params[0], (N, 3)))

@@ -250,11 +250,8 @@ def test_loss_scale_of_finds_it_everywhere():
     base = jxs.dynamic_scaling(optax.sgd(0.1), ls)
     wrapped = {
         "plain": base,
-        "chain": optax.chain(optax.clip(1.0), base),
-        "multi_steps": optax.MultiSteps(base, every_k_schedule=2),
-        "inject": optax.inject_hyperparams(
-            lambda learning_rate: jxs.dynamic_scaling(optax.sgd(learning_rate), ls)
-        )(learning_rate=0.1),
+        "chain_after": optax.chain(base, optax.clip(1.0)),
+        "accumulate": jxs.accumulate(base, every_k=2),
     }
     for name, tx in wrapped.items():
         found = jxs.loss_scale_of(tx.init(params))
