@@ -151,3 +151,28 @@ def test_clip_before_would_have_trained_wrong():
     grads = jax.tree.map(lambda g: g * 2.0**16, jax.grad(loss_fn)(params()))
     updates, _ = tx.update(grads, state, params())
     assert float(optax.tree.norm(updates)) < 1e-5
+
+
+def test_the_guide_nesting_runs_silently_and_schedules_count_applied_steps():
+    """docs/composition.md's recommended nesting, executed as written."""
+    import pathlib
+    import re
+
+    guide = pathlib.Path(__file__).resolve().parents[1] / "docs" / "composition.md"
+    (block,) = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    scope = {}
+    exec(block, scope)  # noqa: S102 - our own documentation
+    tx = scope["tx"]
+    p = params()
+    with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+        warnings.simplefilter("error")
+        state = tx.init(p)
+        step = jax.jit(lambda p, s, g: tx.update(g, s, p)[1])
+        _, grads = jxs.value_and_grad(loss_fn, state)(p)
+        bad = jax.tree.map(lambda g: g * jnp.inf, grads)
+        for g in [grads] * 4 + [bad] * 4:  # one applied window, one skipped
+            state = step(p, state, g)
+    inner = state.inner_state  # accumulate -> dynamic_scaling
+    assert int(inner.steps) == 2 and int(inner.skipped_steps) == 1
+    injected = inner.inner_state[1]
+    assert int(injected.count) == 1  # the skipped window did not advance it
