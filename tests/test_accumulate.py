@@ -334,13 +334,21 @@ def test_inner_runs_once_per_window_host_callback():
     jax.effects_barrier()
     assert len(calls) == 2
 
-    # optax.MultiSteps runs the whole inner update on every micro-step.
+    # optax.MultiSteps runs the whole inner update on every micro-step (and
+    # jxs.value_and_grad refuses the nesting, so feed it gradients directly).
     calls.clear()
     ms = optax.MultiSteps(jxs.dynamic_scaling(optax.chain(probe(), optax.sgd(0.1))), k)
+    params = init_params()
+    state = ms.init(params)
+    update = jax.jit(ms.update)
+    grads = jax.tree.map(jnp.ones_like, params)
     with jax.numpy_dtype_promotion("standard"):
-        run_windows(ms, init_params(), micro_batches(2, k))
+        for _ in range(2 * k):
+            _, state = update(grads, state, params)
     jax.effects_barrier()
     assert len(calls) == 2 * k
+    with pytest.raises(ValueError, match="MultiStepsState"):
+        run_windows(ms, init_params(), micro_batches(1, k))
 
 
 def test_extra_args_forwarded_on_the_boundary():
