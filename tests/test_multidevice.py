@@ -576,7 +576,7 @@ def test_pmean_in_own_dtype_overflow_is_a_skip():
     assert int(state.skipped_steps) == 1
 
 
-def test_on_overflow_fires_once_per_replica_with_its_own_paths():
+def test_on_overflow_reports_the_leaves_bad_on_any_replica():
     events = []
     tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", on_overflow=events.append)
     params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
@@ -589,8 +589,8 @@ def test_on_overflow_fires_once_per_replica_with_its_own_paths():
     )
     update(grads, tx.init(params), params)
     jax.effects_barrier()
-    assert len(events) == N
-    assert sorted(e.paths for e in events) == [()] * (N - 1) + [("a",)]
+    assert events, "the skipped step fires the hook"
+    assert {e.paths for e in events} == {("a",)}  # or-ed over the replicas
     assert {e.next_loss_scale for e in events} == {INIT / 2}
 
 

@@ -284,7 +284,7 @@ def test_loss_scale_of_errors():
     two = optax.chain(
         jxs.dynamic_scaling(optax.sgd(0.1)), jxs.dynamic_scaling(optax.sgd(0.1))
     )
-    with pytest.raises(ValueError, match="contains 2 loss scales"):
+    with pytest.raises(ValueError, match="contains 2 jxs.LossScale"):
         jxs.loss_scale_of(two.init(make_params()))
 
 
