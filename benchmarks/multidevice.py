@@ -11,9 +11,8 @@ rotates every round) and reported as medians over rounds:
 * ``fsdp``: ``jit``, every kernel split over the 8 devices (and the batch):
   each device checks its own block, XLA adds one scalar all-reduce.
 * ``shard_map``: ``jax.shard_map`` with ``check_vma=False``; the bare step
-  averages the gradients itself (``lax.pmean``), the scaled one passes
-  ``axis_name="data", mean_grads=True`` (the same ``pmean`` plus one scalar
-  ``pmin``).
+  averages the gradients itself (``lax.pmean``), and so does the scaled one,
+  built with ``axis_name="data"`` (the same ``pmean`` plus one scalar ``pmin``).
 
 It also prints, per set-up, the collectives of the compiled bare and scaled
 steps (kind and number of elements), so the extra communication is visible.
@@ -113,9 +112,7 @@ def make_variants(
     adam = optax.adam(LR)
     scale = jxs.DynamicLossScale.create(init_scale=INIT_SCALE, growth_interval=10**9)
     if setup == "shard_map":
-        scaled_tx = jxs.dynamic_scaling(
-            optax.adam(LR), scale, axis_name="data", mean_grads=True
-        )
+        scaled_tx = jxs.dynamic_scaling(optax.adam(LR), scale, axis_name="data")
     else:
         scaled_tx = jxs.dynamic_scaling(optax.adam(LR), scale)
 
@@ -128,6 +125,8 @@ def make_variants(
 
     def scaled(params, opt_state, batch):
         loss, grads = jxs.value_and_grad(loss_fn, opt_state)(params, batch)
+        if setup == "shard_map":
+            grads = lax.pmean(grads, "data")
         updates, opt_state = scaled_tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -6,7 +6,8 @@ The workflow of docs/diagnostics.md on a small float16 MLP regression:
    ``jxs.underflow_report``: how much of them float16 flushes to zero without a
    scale, and which power-of-two ``init_scale`` range keeps them representable.
 2. **Watch the run.** The float16 model trains with ``jxs.dynamic_scaling``
-   built with ``track_nonfinite=True`` and an ``on_overflow`` hook; every step
+   (which keeps per-leaf overflow flags) wrapped in ``jxs.monitor`` with an
+   ``on_overflow`` hook; every step
    returns ``jxs.summary`` counters and ``jxs.layer_norms`` of the unscaled
    gradients as device arrays, fetched once at the end (no per-step sync).
 3. **Find the layer.** ``jaxscale.testing.nonfinite_at`` makes one layer's
@@ -184,10 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     tx = optax.chain(
         jxt.nonfinite_at(inject_at, paths="layer2/w"),  # the fault to find
-        jxs.dynamic_scaling(
-            optax.adam(args.lr),
-            ls,
-            track_nonfinite=True,
+        jxs.monitor(
+            jxs.dynamic_scaling(optax.adam(args.lr), ls),
             on_overflow=events.append,
             warn_at_floor_after=100,
         ),

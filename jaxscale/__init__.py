@@ -23,6 +23,7 @@ from jaxscale._diagnostics import summary as summary
 from jaxscale._diagnostics import underflow_report as underflow_report
 from jaxscale._hooks import OverflowEvent as OverflowEvent
 from jaxscale._hooks import ScaleAtFloorWarning as ScaleAtFloorWarning
+from jaxscale._hooks import monitor as monitor
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
@@ -59,6 +60,7 @@ __all__ = [
     "global_norm",
     "layer_norms",
     "loss_scale_of",
+    "monitor",
     "nonfinite_paths",
     "register_flax_serialization",
     "select_tree",

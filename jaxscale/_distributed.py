@@ -4,8 +4,8 @@ Under ``jit`` with sharded arrays XLA already reduces the finite check over ever
 device (the check is a reduction over whole, global arrays). Inside ``shard_map``,
 ``pmap`` or a ``vmap`` with an ``axis_name``, code sees only its own block, so
 :func:`jaxscale.dynamic_scaling` built with ``axis_name=...`` reduces the finite
-flag (and, with ``mean_grads=True``, the gradients) over that axis with the
-helpers here.
+flag and the per-leaf flags over that axis with the helpers here. (Averaging the
+gradients over the axis, for data parallelism, is the caller's ``lax.pmean``.)
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale._tree import is_float_leaf
-
 __all__ = [
     "AxisName",
     "all_replicas_finite",
     "any_replica",
-    "check_axis_options",
+    "check_axis_name",
     "match_varying",
-    "mean_over",
     "place_replicated",
 ]
 
@@ -34,25 +31,19 @@ __all__ = [
 AxisName = str | tuple[str, ...]
 
 
-def check_axis_options(axis_name: Any, mean_grads: Any) -> None:
-    """Validates the ``axis_name`` and ``mean_grads`` keywords (eagerly)."""
-    if axis_name is not None:
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        if not all(isinstance(n, str) for n in names):
-            raise TypeError(
-                f"`axis_name` must be a str or tuple of str, got {axis_name!r}."
-            )
-        if not names:
-            raise ValueError(
-                "`axis_name` must name at least one mapped axis (a str or a "
-                "non-empty tuple of str), got ()."
-            )
-    if not isinstance(mean_grads, bool):
-        raise TypeError(f"`mean_grads` must be a bool, got {mean_grads!r}.")
-    if mean_grads and axis_name is None:
+def check_axis_name(axis_name: Any) -> None:
+    """Validates the ``axis_name`` keyword (eagerly)."""
+    if axis_name is None:
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"`axis_name` must be a str or tuple of str, got {axis_name!r}."
+        )
+    if not names:
         raise ValueError(
-            "`mean_grads=True` needs `axis_name` (the mapped axis to average "
-            "the gradients over), got axis_name=None."
+            "`axis_name` must name at least one mapped axis (a str or a "
+            "non-empty tuple of str), got ()."
         )
 
 
@@ -82,21 +73,6 @@ def any_replica(flags: Any, axis_name: AxisName) -> Any:
         lambda f: lax.pmax(f.astype(jnp.int32), axis_name) > 0,
         flags,
     )
-
-
-def mean_over(grads: Any, axis_name: AxisName) -> Any:
-    """The mean of every floating leaf over the ``axis_name`` axis.
-
-    Each leaf is averaged in its own dtype (``lax.pmean``), as the scaled
-    gradients of torch's DDP are all-reduced: a sum that overflows gives an
-    ``inf`` that the finite check then sees. Other leaves pass through.
-    """
-    try:
-        return jax.tree.map(
-            lambda g: lax.pmean(g, axis_name) if is_float_leaf(g) else g, grads
-        )
-    except NameError as err:
-        raise _explain_unbound(axis_name, err) from None
 
 
 def _varying_axes(aval: Any) -> tuple[str, ...]:

@@ -1,9 +1,10 @@
-"""Opt-in diagnostics inside :func:`jaxscale.dynamic_scaling`'s update.
+"""Host-side hooks around a loss-scaled optimizer: :func:`monitor`.
 
-Per-leaf overflow flags, the host callback fired on skipped steps, and the
-warning when the scale sits at its floor. Nothing here is traced unless the user
-switches it on, so a step built with every option off compiles to the same
-program as a plain one.
+The callback fired on skipped steps and the warning when the scale sits at its
+floor, as a wrapper in the style of ``optax.chain``: the core
+:func:`jaxscale.dynamic_scaling` knows nothing of them, and the wrapper adds no
+state (so checkpoints do not depend on it). Also the per-leaf overflow flags the
+core computes on skipped steps.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from jaxscale._loss_scale import unscale_leaf
@@ -23,6 +25,7 @@ from jaxscale._tree import is_float_leaf
 __all__ = [
     "OverflowEvent",
     "ScaleAtFloorWarning",
+    "monitor",
     "path_name",
 ]
 
@@ -41,7 +44,7 @@ def leaf_names(tree: Any) -> list[str]:
 
 
 class OverflowEvent(NamedTuple):
-    """What the ``on_overflow`` hook of :func:`dynamic_scaling` receives.
+    """What the ``on_overflow`` hook of :func:`monitor` receives.
 
     Built on the host from a skipped step's device values, so every field is a
     plain Python value.
@@ -58,9 +61,10 @@ class OverflowEvent(NamedTuple):
 
     Examples:
       >>> import jaxscale as jxs
-      >>> import jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax
       >>> events = []
-      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), on_overflow=events.append)
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> tx = jxs.monitor(tx, on_overflow=events.append)
       >>> params = {"w": jnp.ones(2), "b": jnp.zeros(1)}
       >>> grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(1)}
       >>> _ = tx.update(grads, tx.init(params), params)
@@ -79,7 +83,7 @@ class OverflowEvent(NamedTuple):
 class ScaleAtFloorWarning(RuntimeWarning):
     """Warned when the loss scale has sat at its floor for too many steps.
 
-    Raised through ``jax.debug.callback`` by :func:`dynamic_scaling` built with
+    Raised through ``jax.debug.callback`` by :func:`monitor` built with
     ``warn_at_floor_after=n``, once each time the scale has been at
     ``min_scale`` after ``n`` consecutive steps. Gradients that overflow even at
     the smallest scale mean training is diverging (an ``inf`` or ``NaN`` in the
@@ -94,7 +98,7 @@ class ScaleAtFloorWarning(RuntimeWarning):
 
 
 # --------------------------------------------------------------------------- #
-# Traced helpers, called by ``dynamic_scaling`` only when an option is on.
+# Traced helpers: the flags (always, in ``dynamic_scaling``), the callbacks.
 # --------------------------------------------------------------------------- #
 
 
@@ -155,13 +159,13 @@ def overflow_callback(
 
 
 def floor_callback(
-    steps_at_floor: jax.Array,
+    fire: jax.Array,
     after: int,
     step: jax.Array,
     min_scale: float,
 ) -> None:
-    """Warns (:class:`ScaleAtFloorWarning`) when ``steps_at_floor`` reaches
-    ``after``: once per stay at the floor, since the counter saturates."""
+    """Warns (:class:`ScaleAtFloorWarning`) where ``fire`` (``bool[]``) is true:
+    when the scale has just sat at its floor for ``after`` steps."""
 
     def host(step):
         warnings.warn(
@@ -175,7 +179,7 @@ def floor_callback(
         )
 
     lax.cond(
-        steps_at_floor == after,
+        fire,
         lambda s: jax.debug.callback(host, s),
         lambda s: None,
         step,
@@ -183,38 +187,24 @@ def floor_callback(
 
 
 # --------------------------------------------------------------------------- #
-# The options of ``dynamic_scaling``.
+# The options of ``monitor``.
 # --------------------------------------------------------------------------- #
 
 
 class Options(NamedTuple):
-    """The diagnostic options of one ``dynamic_scaling`` (static, validated)."""
+    """The hooks of one :func:`monitor` (static, validated)."""
 
-    track_nonfinite: bool
     on_overflow: Callable[[OverflowEvent], Any] | None
     warn_at_floor_after: int | None
-    min_scale: float | None
-
-    @property
-    def any(self) -> bool:
-        return self.on_overflow is not None or self.warn_at_floor_after is not None
 
 
-def make_options(
-    loss_scale: Any,
-    track_nonfinite: Any,
-    on_overflow: Any,
-    warn_at_floor_after: Any,
-) -> Options | None:
-    """Validates the keyword options; ``None`` when every one is off."""
-    if not isinstance(track_nonfinite, bool):
-        raise TypeError(f"`track_nonfinite` must be a bool, got {track_nonfinite!r}.")
+def make_options(on_overflow: Any, warn_at_floor_after: Any) -> Options | None:
+    """Validates the hooks; ``None`` when neither is given."""
     if on_overflow is not None and not callable(on_overflow):
         raise TypeError(
             "`on_overflow` must be None or a callable taking a jxs.OverflowEvent, "
             f"got {on_overflow!r}."
         )
-    min_scale = getattr(loss_scale, "min_scale", None)
     if warn_at_floor_after is not None:
         if isinstance(warn_at_floor_after, bool) or not isinstance(
             warn_at_floor_after, int
@@ -227,14 +217,9 @@ def make_options(
             raise ValueError(
                 f"`warn_at_floor_after` must be >= 1, got {warn_at_floor_after}."
             )
-        if min_scale is None:
-            raise ValueError(
-                "`warn_at_floor_after` needs a loss scale with a floor (a "
-                "jxs.DynamicLossScale), got "
-                f"{type(loss_scale).__name__}, whose scale never changes."
-            )
-    options = Options(track_nonfinite, on_overflow, warn_at_floor_after, min_scale)
-    return options if options.any else None
+    if on_overflow is None and warn_at_floor_after is None:
+        return None
+    return Options(on_overflow, warn_at_floor_after)
 
 
 def count_at_floor(loss_scale: Any, count: jax.Array) -> jax.Array:
@@ -250,26 +235,120 @@ def count_at_floor(loss_scale: Any, count: jax.Array) -> jax.Array:
     return jnp.where(at_floor, bumped, 0).astype(jnp.int32)
 
 
-def diagnose(options: Options, state: Any, new_state: Any, finite: jax.Array) -> None:
-    """The opt-in part of ``update``: the overflow hook and the floor warning.
+def diagnose(options: Options, old: Any, new: Any) -> None:
+    """Fires the hooks for one ``update`` that turned scaling state ``old`` into
+    ``new`` (both :class:`DynamicScalingState`).
 
-    The per-leaf flags are always in ``new_state.nonfinite_leaves`` (computed on
-    skipped steps only), so nothing here reads the gradients again.
+    Only calls that ran the scaling step count (under ``jxs.accumulate`` the
+    accumulating calls leave the state as it was). The per-leaf flags are in
+    ``new.nonfinite_leaves``: nothing here reads the gradients.
     """
+    stepped = new.steps != old.steps
     if options.on_overflow is not None:
         overflow_callback(
             options.on_overflow,
-            ~finite,
-            new_state.nonfinite_leaves,
-            state.steps,
-            state.loss_scale.loss_scale,
-            new_state.loss_scale.loss_scale,
-            new_state.consecutive_skips,
+            stepped & ~new.last_step_finite,
+            new.nonfinite_leaves,
+            old.steps,
+            old.loss_scale.loss_scale,
+            new.loss_scale.loss_scale,
+            new.consecutive_skips,
         )
     if options.warn_at_floor_after is not None:
+        min_scale = getattr(new.loss_scale, "min_scale", None)
+        if min_scale is None:
+            raise ValueError(
+                "`warn_at_floor_after` needs a loss scale with a floor (a "
+                f"jxs.DynamicLossScale), got {type(new.loss_scale).__name__}, "
+                "whose scale never changes."
+            )
         floor_callback(
-            new_state.steps_at_floor,
+            stepped & (new.steps_at_floor == options.warn_at_floor_after),
             options.warn_at_floor_after,
-            state.steps,
-            options.min_scale,
+            old.steps,
+            min_scale,
         )
+
+
+# --------------------------------------------------------------------------- #
+# The composable wrapper.
+# --------------------------------------------------------------------------- #
+
+
+def monitor(
+    tx: optax.GradientTransformation,
+    *,
+    on_overflow: Callable[[OverflowEvent], Any] | None = None,
+    warn_at_floor_after: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Adds host-side hooks to a loss-scaled optimizer, without adding state.
+
+    Wraps a transformation holding one :func:`dynamic_scaling` (that one, or
+    ``jxs.accumulate(jxs.dynamic_scaling(...), k)``): ``init`` and the state are
+    ``tx``'s own, untouched, so a checkpoint written with or without the
+    monitor restores into either. After each ``update`` it compares the scaling
+    state before and after (no extra read of the gradients: the per-leaf flags
+    are already in the state) and, through ``jax.debug.callback``:
+
+    * ``on_overflow``: calls it with an :class:`OverflowEvent` on every skipped
+      step, and only then (a ``lax.cond``);
+    * ``warn_at_floor_after=n``: warns (:class:`ScaleAtFloorWarning`) once the
+      scale has sat at its floor (``min_scale`` of a :class:`DynamicLossScale`)
+      for ``n`` consecutive steps.
+
+    Only the code of the hooks you pass is traced; the callbacks run
+    asynchronously (call ``jax.effects_barrier()`` before reading what they
+    recorded).
+
+    Args:
+      tx: the loss-scaled optimizer.
+      on_overflow: ``None`` or a callable taking an :class:`OverflowEvent`.
+      warn_at_floor_after: ``None`` or an int ``>= 1``; needs a
+        :class:`DynamicLossScale` (checked when ``update`` is traced).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state.
+
+    Raises:
+      TypeError: if ``tx`` is not a transformation or a hook has the wrong type.
+      ValueError: if no hook is given, ``warn_at_floor_after < 1``, or (when
+        ``update`` is traced) ``warn_at_floor_after`` is given for a loss scale
+        without a floor.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp, optax
+      >>> events = []
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> tx = jxs.monitor(tx, on_overflow=events.append)
+      >>> params = {"w": jnp.ones(2), "b": jnp.zeros(1)}
+      >>> grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(1)}
+      >>> _ = tx.update(grads, tx.init(params), params)
+      >>> jax.effects_barrier()
+      >>> events[0].step, events[0].loss_scale, events[0].paths
+      (0, 65536.0, ('w',))
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            "`tx` must be an optax.GradientTransformation built with "
+            f"`jxs.dynamic_scaling(...)`, got {type(tx).__name__}."
+        )
+    options = make_options(on_overflow, warn_at_floor_after)
+    if options is None:
+        raise ValueError(
+            "`jxs.monitor` needs at least one hook: pass `on_overflow=` and/or "
+            "`warn_at_floor_after=`, got neither."
+        )
+    tx = optax.with_extra_args_support(tx)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        from jaxscale._composition import find_state
+        from jaxscale._transform import DynamicScalingState
+
+        new_updates, new_state = tx.update(updates, state, params, **extra_args)
+        old = find_state(state, DynamicScalingState, "state")[1]
+        new = find_state(new_state, DynamicScalingState, "state")[1]
+        diagnose(options, old, new)
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(tx.init, update_fn)

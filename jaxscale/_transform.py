@@ -230,11 +230,7 @@ def dynamic_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
     *,
-    track_nonfinite: bool = False,
-    on_overflow: Callable[[_hooks.OverflowEvent], Any] | None = None,
-    warn_at_floor_after: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
-    mean_grads: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling: unscale, skip on overflow, adjust.
 
@@ -274,10 +270,10 @@ def dynamic_scaling(
     Integer and ``None`` leaves pass through to ``inner`` untouched.
 
     The per-leaf overflow flags (``nonfinite_leaves``, read with
-    :func:`nonfinite_paths`) are always kept, at no cost on finite steps. The
-    hooks (``on_overflow``, ``warn_at_floor_after``) are decided when the
-    transformation is built: with both off, the default, none of their code is
-    traced. See the diagnostics guide.
+    :func:`nonfinite_paths`) are always kept, at no cost on finite steps. Host
+    hooks (a callback on every skipped step, a warning when the scale sits at
+    its floor) are a separate wrapper, :func:`monitor`. See the diagnostics
+    guide.
 
     Several devices (see the multi-device guide): under ``jit`` with sharded
     parameters and gradients nothing is needed, as the finite check reduces
@@ -292,36 +288,24 @@ def dynamic_scaling(
       loss_scale: the initial :class:`LossScale`; default
         ``DynamicLossScale.create()`` (init ``2**16``, torch's defaults).
         ``NoOpLossScale`` keeps only the skipping of non-finite steps.
-      track_nonfinite: accepted for compatibility with jaxscale 0.1.0 and
-        ignored: the per-leaf flags are always kept now.
-      on_overflow: ``None`` (default), or a function called on the host, through
-        ``jax.debug.callback``, on every skipped step and only then, with an
-        :class:`OverflowEvent` (step, scale, offending leaf paths).
-      warn_at_floor_after: ``None`` (default), or ``n >= 1``: warn
-        (:class:`ScaleAtFloorWarning`, through ``jax.debug.callback``) once the
-        scale has sat at its floor for ``n`` consecutive steps. Needs a
-        :class:`DynamicLossScale`.
       axis_name: ``None`` (default), or the name (or tuple of names) of the
         mapped axis that ``update`` runs under (``shard_map``, ``pmap``,
         ``vmap``): the finite flag is reduced over it (a ``lax.pmin``) so every
-        replica skips or applies the same step and keeps the same scale; with
-        ``track_nonfinite`` the per-leaf flags are or-ed over it too. Leave it
-        ``None`` under plain ``jit``, where XLA does the reduction.
-      mean_grads: if ``True`` (needs ``axis_name``), first average the scaled
-        gradients over ``axis_name`` (``lax.pmean``, in their own dtype: a sum
-        that overflows is skipped like any overflow), as data-parallel training
-        needs when each replica computed the gradient of its own batch.
-
+        replica skips or applies the same step and keeps the same scale; the
+        per-leaf flags are or-ed over it too. Leave it ``None`` under plain
+        ``jit``, where XLA does the reduction. For data parallelism, average the
+        scaled gradients over the axis yourself first (``lax.pmean``; see the
+        multi-device guide).
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
       ``update`` are forwarded to ``inner``.
 
     Raises:
-      TypeError: if ``inner`` is not a transformation, ``loss_scale`` not a
-        :class:`LossScale`, or a diagnostic or axis option has the wrong type.
-      ValueError: if ``warn_at_floor_after`` is < 1 or given without a
-        :class:`DynamicLossScale`, or ``mean_grads=True`` without
-        ``axis_name``.
+      TypeError: if ``inner`` is not a transformation (``optax.MultiSteps``
+        included: use :func:`accumulate` around the wrapper), ``loss_scale`` not
+        a :class:`LossScale`, or ``axis_name`` not a str or tuple of str.
+      ValueError: from ``init``, if ``inner`` holds what belongs outside (a
+        :func:`accumulate`, another ``dynamic_scaling``).
       NameError: from ``update``, if ``axis_name`` is not bound there.
 
     Examples:
@@ -342,9 +326,12 @@ def dynamic_scaling(
 
       Two replicas on a mapped axis, one overflows: both skip.
 
-      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", mean_grads=True)
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i")
+      >>> def replica_update(grads, state, params):
+      ...     grads = jax.lax.pmean(grads, "i")  # data parallel: average first
+      ...     return tx.update(grads, state, params)
       >>> update = jax.vmap(
-      ...     tx.update, in_axes=(0, None, None), out_axes=None, axis_name="i"
+      ...     replica_update, in_axes=(0, None, None), out_axes=None, axis_name="i"
       ... )
       >>> grads = jnp.array([[1.0, 2.0], [jnp.inf, 2.0]])  # one row per replica
       >>> updates, opt_state = update(grads, tx.init(jnp.ones(2)), jnp.ones(2))
@@ -365,10 +352,7 @@ def dynamic_scaling(
             "`loss_scale` must be a jxs.LossScale (e.g. "
             f"jxs.DynamicLossScale.create()), got {type(loss_scale).__name__}."
         )
-    _distributed.check_axis_options(axis_name, mean_grads)
-    diagnostics = _hooks.make_options(
-        loss_scale, track_nonfinite, on_overflow, warn_at_floor_after
-    )
+    _distributed.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
     fresh_loss_scale = _fresh_copy_factory(loss_scale)
 
@@ -395,8 +379,6 @@ def dynamic_scaling(
         **extra_args: Any,
     ) -> tuple[Updates, DynamicScalingState]:
         check_updates_match_params(updates, params)
-        if mean_grads:
-            updates = _distributed.mean_over(updates, axis_name)
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
         # Raw gradients into the cond: the unscale fuses into the inner update.
@@ -449,8 +431,6 @@ def dynamic_scaling(
             steps_at_floor=_hooks.count_at_floor(new_ls, state.steps_at_floor),
             nonfinite_leaves=flags,
         )
-        if diagnostics is not None:
-            _hooks.diagnose(diagnostics, state, new_state, finite)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

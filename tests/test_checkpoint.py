@@ -465,9 +465,9 @@ def test_every_reachable_state_is_valid():
 
 
 DIAGNOSTIC_OPTIONS = {
-    "plain": {},
-    "tracked": {"track_nonfinite": True},
-    "hooks": {"on_overflow": lambda event: None, "warn_at_floor_after": 5},
+    "plain": None,
+    "overflow_hook": {"on_overflow": lambda event: None},
+    "both_hooks": {"on_overflow": lambda event: None, "warn_at_floor_after": 5},
 }
 
 
@@ -478,12 +478,15 @@ def test_diagnostic_options_never_change_what_restores(
     tmp_path, backend, saved, restored
 ):
     """Switching a diagnostic on or off between save and restore is safe: the
-    state's structure does not depend on them (0.1.0 added a flags subtree with
-    ``track_nonfinite=True``, which broke both orbax and flax restores)."""
+    state's structure does not depend on them: the per-leaf flags are always
+    kept and ``jxs.monitor`` adds no state. (0.1.0 added a flags subtree with
+    ``track_nonfinite=True``, which broke both orbax and flax restores.)"""
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
 
     def make(options):
-        return jxs.dynamic_scaling(optax.sgd(0.1), **DIAGNOSTIC_OPTIONS[options])
+        tx = jxs.dynamic_scaling(optax.sgd(0.1))
+        hooks = DIAGNOSTIC_OPTIONS[options]
+        return tx if hooks is None else jxs.monitor(tx, **hooks)
 
     tx = make(saved)
     state = tx.init(params)

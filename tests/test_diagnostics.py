@@ -145,18 +145,16 @@ def test_steps_at_floor_stays_zero_for_static_and_noop():
 
 
 # --------------------------------------------------------------------------- #
-# track_nonfinite and nonfinite_paths
+# nonfinite_paths: the flags are always kept
 # --------------------------------------------------------------------------- #
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
-def test_track_nonfinite_flags_the_leaves_of_the_last_step(dtype, bad):
+def test_flags_name_the_leaves_of_the_last_step(dtype, bad):
     params = make_params(dtype)
     params["count"] = jnp.int32(0)
-    tx = jxs.dynamic_scaling(
-        optax.identity(), jxs.StaticLossScale.create(4.0), track_nonfinite=True
-    )
+    tx = jxs.dynamic_scaling(optax.identity(), jxs.StaticLossScale.create(4.0))
     state = tx.init(params)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state.nonfinite_leaves) == (
         jax.tree.map(lambda x: ((), jnp.bool_), params)
@@ -175,22 +173,20 @@ def test_track_nonfinite_flags_the_leaves_of_the_last_step(dtype, bad):
     assert jxs.nonfinite_paths(state) == []
 
 
-def test_track_nonfinite_sees_overflow_of_the_unscaling():
+def test_flags_see_overflow_of_the_unscaling():
     # The scaled gradient is finite in float16; unscaled by 2**-10 it is not.
     params = {"w": jnp.ones(2, jnp.float16), "b": jnp.ones(1, jnp.float16)}
-    tx = jxs.dynamic_scaling(
-        optax.sgd(1.0), jxs.StaticLossScale.create(2.0**-10), track_nonfinite=True
-    )
+    tx = jxs.dynamic_scaling(optax.sgd(1.0), jxs.StaticLossScale.create(2.0**-10))
     grads = {"w": jnp.array([100.0, 1.0], jnp.float16), "b": jnp.ones(1, jnp.float16)}
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert jxs.nonfinite_paths(state) == ["w"]
 
 
-def test_track_nonfinite_state_is_stable_in_scan_and_works_nested():
+def test_flags_state_is_stable_in_scan_and_works_nested():
     params = make_params()
     tx = optax.chain(
         jxt.nonfinite_at([2], paths="bias"),
-        jxs.dynamic_scaling(relaxed(optax.adam(1e-3)), track_nonfinite=True),
+        jxs.dynamic_scaling(relaxed(optax.adam(1e-3))),
     )
 
     def body(carry, _):
@@ -213,14 +209,14 @@ def test_nonfinite_paths_errors():
         jxs.nonfinite_paths(old)
     with pytest.raises(TypeError, match=r"leaf 'a' must be a boolean scalar.*float32"):
         jxs.nonfinite_paths({"a": jnp.ones(())})
-    tracked = jxs.dynamic_scaling(optax.sgd(0.1), track_nonfinite=True)
+    tracked = jxs.dynamic_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match="cannot run inside `jax.jit`"):
         jax.jit(jxs.nonfinite_paths)(tracked.init(params))
     assert jxs.nonfinite_paths(jnp.bool_(True)) == ["<root>"]
 
 
 # --------------------------------------------------------------------------- #
-# on_overflow and warn_at_floor_after
+# jxs.monitor: on_overflow and warn_at_floor_after
 # --------------------------------------------------------------------------- #
 
 
@@ -228,7 +224,7 @@ def test_on_overflow_fires_only_on_skipped_steps_with_paths():
     params = make_params()
     events = []
     ls = jxs.DynamicLossScale.create(init_scale=2.0**8, growth_interval=100)
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), ls, on_overflow=events.append)
+    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), on_overflow=events.append)
 
     @jax.jit
     def step(params, state, grads):
@@ -263,7 +259,7 @@ def test_on_overflow_inside_scan():
     events = []
     tx = optax.chain(
         jxt.nonfinite_at([3, 7], paths="kernel", value=math.nan),
-        jxs.dynamic_scaling(optax.sgd(0.1), on_overflow=events.append),
+        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append),
     )
 
     def body(carry, _):
@@ -282,7 +278,7 @@ def test_on_overflow_inside_scan():
 def test_warn_at_floor_after_warns_once_per_stay():
     params = make_params()
     ls = jxs.DynamicLossScale.create(init_scale=4.0, min_scale=1.0, growth_interval=2)
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), ls, warn_at_floor_after=3)
+    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=3)
     step = jax.jit(tx.update)
     state = tx.init(params)
     # 4 -> 2 -> 1 (floor: count 1) -> 2, 3 (warn), 4, 5, 6 -> grow -> 1 (count 1),
@@ -311,7 +307,7 @@ def test_warn_at_floor_after_warns_once_per_stay():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"track_nonfinite": 1}, TypeError, "`track_nonfinite` must be a bool, got 1"),
+        ({}, ValueError, "needs at least one hook"),
         ({"on_overflow": "print"}, TypeError, "`on_overflow` must be None or a call"),
         ({"warn_at_floor_after": 0}, ValueError, "`warn_at_floor_after` must be >= 1"),
         ({"warn_at_floor_after": 2.0}, TypeError, "`warn_at_floor_after` must be an"),
@@ -320,14 +316,41 @@ def test_warn_at_floor_after_warns_once_per_stay():
 )
 def test_option_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
-        jxs.dynamic_scaling(optax.sgd(0.1), **kwargs)
+        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), **kwargs)
+    with pytest.raises(TypeError, match="`tx` must be an optax.GradientTransformation"):
+        jxs.monitor(lambda g: g, on_overflow=print)
 
 
 def test_warn_at_floor_needs_a_floor():
+    tx = jxs.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), jxs.StaticLossScale.create(2.0)),
+        warn_at_floor_after=5,
+    )
+    params = make_params()
     with pytest.raises(ValueError, match="`warn_at_floor_after` needs a loss scale"):
-        jxs.dynamic_scaling(
-            optax.sgd(0.1), jxs.StaticLossScale.create(2.0), warn_at_floor_after=5
-        )
+        tx.update(grads_like(params, 1.0), tx.init(params), params)
+
+
+def test_options_moved_out_of_the_core_raise():
+    """0.1.0 keywords: Python's own TypeError (the CHANGELOG names the wrapper)."""
+    for kwargs in [{"on_overflow": print}, {"track_nonfinite": True}]:
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            jxs.dynamic_scaling(optax.sgd(0.1), **kwargs)
+
+
+def test_monitor_under_accumulate_fires_once_per_window():
+    events = []
+    tx = jxs.accumulate(
+        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append), 3
+    )
+    params = make_params()
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for t in range(6):
+        g = grads_like(params, math.inf if t == 1 else 1.0)
+        _, state = step(g, state, params)
+    jax.effects_barrier()
+    assert [e.step for e in events] == [0]
 
 
 # --------------------------------------------------------------------------- #
@@ -363,46 +386,29 @@ def compiled_train_step(tx):
     return lowered.compile().as_text()
 
 
-def test_all_diagnostics_off_compiles_to_the_plain_step():
+def test_hooks_are_a_wrapper_the_plain_step_has_none():
     inner = lambda: optax.sgd(0.1, momentum=0.9)  # noqa: E731
     texts = {
         "plain": compiled_train_step(jxs.dynamic_scaling(inner())),
-        "off": compiled_train_step(
-            jxs.dynamic_scaling(
-                inner(),
-                track_nonfinite=False,
-                on_overflow=None,
-                warn_at_floor_after=None,
-            )
-        ),
-        "track_nonfinite": compiled_train_step(
-            jxs.dynamic_scaling(inner(), track_nonfinite=True)
-        ),
         "hooks": compiled_train_step(
-            jxs.dynamic_scaling(inner(), on_overflow=print, warn_at_floor_after=10)
+            jxs.monitor(
+                jxs.dynamic_scaling(inner()), on_overflow=print, warn_at_floor_after=10
+            )
         ),
     }
     counts = {k: hlo_op_count(t) for k, t in texts.items()}
     calls = {k: t.count("custom-call") for k, t in texts.items()}
     print(f"\nHLO op counts: {counts}; custom-calls: {calls}")
-    assert counts["off"] == counts["plain"]
-    assert calls["plain"] == calls["off"] == 0
-    assert "callback" not in texts["plain"] and "callback" not in texts["off"]
-    # The flags are always kept (computed in the skip branch): the option is
-    # accepted for 0.1.0 code and changes nothing. The measure sees the hooks.
-    assert counts["track_nonfinite"] == counts["plain"]
+    assert calls["plain"] == 0 and "callback" not in texts["plain"]
     assert calls["hooks"] >= 2 and counts["hooks"] > counts["plain"]
 
 
-def test_state_structure_does_not_depend_on_diagnostic_options():
+def test_state_structure_does_not_depend_on_diagnostics():
     params = make_params()
+    plain = jxs.dynamic_scaling(optax.sgd(0.1))
     states = [
-        jxs.dynamic_scaling(optax.sgd(0.1), **kw).init(params)
-        for kw in [
-            {},
-            {"track_nonfinite": True},
-            {"on_overflow": print, "warn_at_floor_after": 3},
-        ]
+        plain.init(params),
+        jxs.monitor(plain, on_overflow=print, warn_at_floor_after=3).init(params),
     ]
     structures = {jax.tree.structure(s) for s in states}
     assert len(structures) == 1

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import relaxed
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -277,6 +278,17 @@ def test_init_on_one_device_is_unchanged():
 # --------------------------------------------------------------------------- #
 
 
+def data_parallel(tx, axis_name):
+    """``tx`` after the data-parallel mean of the scaled gradients over the
+    axis (in their own dtype, as torch's DDP all-reduces them): the one
+    ``lax.pmean`` the multi-device guide shows (0.1.0's ``mean_grads=True``)."""
+
+    def update(grads, state, params=None):
+        return tx.update(lax.pmean(grads, axis_name), state, params)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def replica_grads(value=INIT, bad=BAD_DEVICE, size=3):
     """``f32[N, size]``: row ``i`` is replica ``i``'s gradient; row ``bad`` has
     an inf (none if ``bad`` is None). Rows differ so a mean is visible."""
@@ -313,11 +325,11 @@ def shard_map_step(tx, mesh, axis="data", check_vma=True, per_replica=False):
 
 def test_shard_map_data_parallel_mean_grads_all_replicas_skip():
     """Replicated params, a different gradient on every replica (as under
-    ``check_vma=False`` or when gradients come in per replica): ``mean_grads``
+    ``check_vma=False`` or when gradients come in per replica): a ``lax.pmean``
     averages them, ``axis_name`` makes the skip decision common."""
     mesh = mesh_of(AxisType.Auto)
-    tx = jxs.dynamic_scaling(
-        optax.sgd(0.1, momentum=0.9), axis_name="data", mean_grads=True
+    tx = data_parallel(
+        jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9), axis_name="data"), "data"
     )
     params = jnp.zeros(3)
     state = tx.init(params)
@@ -365,7 +377,9 @@ def test_shard_map_with_sharded_params_and_axis_name_all_replicas_skip():
 
 def test_shard_map_over_two_axes_with_a_tuple_axis_name():
     mesh = mesh_of(AxisType.Auto, shape=(2, 4), names=("x", "y"))
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name=("x", "y"), mean_grads=True)
+    tx = data_parallel(
+        jxs.dynamic_scaling(optax.sgd(0.1), axis_name=("x", "y")), ("x", "y")
+    )
     params = jnp.zeros(3)
     step = shard_map_step(tx, mesh, axis=("x", "y"))
     new_params, new_state = step(params, tx.init(params), replica_grads())
@@ -397,9 +411,9 @@ def replicate(tree):
 
 @pytest.mark.parametrize("mean_grads", [False, True])
 def test_pmap_with_axis_name_all_replicas_skip(mean_grads):
-    tx = jxs.dynamic_scaling(
-        optax.sgd(0.1, momentum=0.9), axis_name="i", mean_grads=mean_grads
-    )
+    tx = jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9), axis_name="i")
+    if mean_grads:
+        tx = data_parallel(tx, "i")
     params = jnp.zeros(3)
 
     def step(params, state, grads):
@@ -440,8 +454,6 @@ def test_pmap_without_axis_name_replicas_disagree():
         ({"axis_name": ["a"]}, TypeError, r"`axis_name` must be a str or tuple"),
         ({"axis_name": ("a", 1)}, TypeError, r"got \('a', 1\)\."),
         ({"axis_name": ()}, ValueError, r"`axis_name` must name at least one"),
-        ({"mean_grads": 1}, TypeError, r"`mean_grads` must be a bool, got 1\."),
-        ({"mean_grads": True}, ValueError, r"`mean_grads=True` needs `axis_name`"),
     ],
 )
 def test_axis_options_are_validated(kwargs, error, match):
@@ -518,7 +530,7 @@ def tx_without_axis():
 
 
 def test_vmap_update_with_axis_name_takes_one_decision():
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="batch", mean_grads=True)
+    tx = data_parallel(jxs.dynamic_scaling(optax.sgd(0.1), axis_name="batch"), "batch")
     params = jnp.zeros(3)
     state = tx.init(params)
     update = jax.vmap(
@@ -546,8 +558,8 @@ def test_vmap_update_with_a_shared_state_needs_axis_name():
         update(replica_grads(), tx.init(params), params)
 
 
-def test_axis_name_with_track_nonfinite_flags_every_replica():
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", track_nonfinite=True)
+def test_axis_name_flags_every_replica():
+    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i")
     params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
     grads = {"a": replica_grads(), "b": replica_grads(bad=None)}
     update = jax.vmap(
@@ -561,13 +573,14 @@ def test_axis_name_with_track_nonfinite_flags_every_replica():
 
 
 def test_pmean_in_own_dtype_overflow_is_a_skip():
-    """``mean_grads`` sums float16 gradients in float16, as DDP all-reduces
-    scaled gradients: a sum that overflows is an overflow like any other."""
-    tx = jxs.dynamic_scaling(
-        relaxed(optax.sgd(0.1)),
-        jxs.StaticLossScale.create(1.0),
-        axis_name="i",
-        mean_grads=True,
+    """The data-parallel mean sums float16 gradients in float16, as DDP
+    all-reduces scaled gradients: a sum that overflows is an overflow like any
+    other."""
+    tx = data_parallel(
+        jxs.dynamic_scaling(
+            relaxed(optax.sgd(0.1)), jxs.StaticLossScale.create(1.0), axis_name="i"
+        ),
+        "i",
     )
     params = jnp.zeros(2, jnp.float16)
     grads = jnp.full((N, 2), 40000.0, jnp.float16)  # finite; the sum is not
@@ -578,7 +591,9 @@ def test_pmean_in_own_dtype_overflow_is_a_skip():
 
 def test_on_overflow_reports_the_leaves_bad_on_any_replica():
     events = []
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i", on_overflow=events.append)
+    tx = jxs.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i"), on_overflow=events.append
+    )
     params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
     grads = {"a": replica_grads(), "b": replica_grads(bad=None)}
     update = jax.vmap(

@@ -9,7 +9,7 @@ only, in three set-ups:
 * ``dp``: ``jit``, replicated params, the batch split over every device;
 * ``fsdp``: ``jit``, params and gradients split over every device; the ``inf``
   is in a gradient block that only process 1 holds;
-* ``shard_map``: ``axis_name`` and ``mean_grads`` over the global mesh axis.
+* ``shard_map``: ``axis_name`` and a ``lax.pmean`` over the global mesh axis.
 
 Each worker prints one JSON line; the test checks that both processes skipped
 the same steps and hold the same scale and parameters. Loopback only, bounded
@@ -154,15 +154,16 @@ def worker(process_id: int, port: int) -> dict:
             skipped_at.append(step)
     results["fsdp"] = report(state, local_digest(params), skipped_at)
 
-    # -- shard_map: axis_name and mean_grads over the global axis ---------------
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), scale, axis_name="data", mean_grads=True)
+    # -- shard_map: axis_name and a pmean over the global axis -----------------
+    tx = jxs.dynamic_scaling(optax.sgd(0.1), scale, axis_name="data")
     params = global_replicated(np.zeros(3, np.float32))
     state = tx.init(params)
 
     @jax.jit
     @jax.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
     def sm_step(params, state, grads):
-        updates, state = tx.update(grads[0], state, params)
+        grads = jax.lax.pmean(grads[0], "data")  # data-parallel mean
+        updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     skipped_at = []

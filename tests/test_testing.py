@@ -328,7 +328,7 @@ def test_nonfinite_at_drives_dynamic_scaling_in_scan():
     at = [1, 2, 6]
     tx = optax.chain(
         jxt.nonfinite_at(at, paths="dense/bias", value=math.nan),
-        jxs.dynamic_scaling(optax.sgd(0.01), ls, track_nonfinite=True),
+        jxs.dynamic_scaling(optax.sgd(0.01), ls),
     )
 
     def body(carry, _):
