@@ -13,6 +13,7 @@ from jaxscale._accumulate import (
 from jaxscale._checkpoint import (
     register_flax_serialization as register_flax_serialization,
 )
+from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
 from jaxscale._composition import CompositionWarning as CompositionWarning
@@ -67,6 +68,7 @@ __all__ = [
     "summary",
     "to_torch_state_dict",
     "underflow_report",
+    "upgrade_checkpoint",
     "validate_state",
     "value_and_grad",
 ]

@@ -10,11 +10,15 @@ so that ``import jaxscale`` never imports Flax.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 
-__all__ = ["register_flax_serialization"]
+__all__ = ["register_flax_serialization", "upgrade_checkpoint"]
 
 _CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
 
@@ -118,3 +122,76 @@ def register_flax_serialization() -> None:
         serialization.register_serialization_state(
             cls, _to_state_dict, _from_state_dict, override=True
         )
+
+
+def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
+    """Restores a checkpoint written by jaxscale 0.1.0 into a state of this version.
+
+    jaxscale 0.1.0 stored ``DynamicScalingState.nonfinite_leaves`` as ``None``
+    unless built with ``track_nonfinite=True``; since 0.2.0 the per-leaf flags
+    are always part of the state, so restoring such a checkpoint straight into
+    ``tx.init(params)`` fails on the structure (orbax: a tree mismatch;
+    ``flax.serialization``: ``'NoneType' object has no attribute 'keys'``).
+    This function calls your ``restore`` with the 0.1.0 layout of ``target``
+    (every flags subtree replaced by ``None``) and puts fresh all-``False``
+    flags back into the result. Checkpoints that already hold flags (0.1.0 with
+    ``track_nonfinite=True``, or this version) restore directly, without it.
+
+    Args:
+      restore: a function from a target pytree to the restored pytree, e.g.
+        ``lambda like: checkpointer.restore(path, like)`` (orbax; pass abstract
+        or concrete targets as orbax expects) or
+        ``lambda like: flax.serialization.from_bytes(like, data)``.
+      target: what you would restore into today: ``tx.init(params)``, a
+        ``TrainState``, or their abstract (``ShapeDtypeStruct``) version.
+
+    Returns:
+      The restored pytree in this version's layout. Run
+      :func:`validate_state` on it, as after any restore.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import serialization
+      >>> jxs.register_flax_serialization()
+      >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
+      >>> target = tx.init({"w": jnp.zeros(2)})
+      >>> old = target._replace(nonfinite_leaves=None)  # what 0.1.0 wrote
+      >>> data = serialization.to_bytes(old)
+      >>> state = jxs.upgrade_checkpoint(
+      ...     lambda like: serialization.from_bytes(like, data), target)
+      >>> state.nonfinite_leaves
+      {'w': Array(False, dtype=bool)}
+    """
+    from jaxscale._transform import DynamicScalingState
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, DynamicScalingState)
+
+    if not callable(restore):
+        raise TypeError(
+            "`restore` must be a function from a target pytree to the restored "
+            f"pytree (e.g. `lambda like: checkpointer.restore(path, like)`), got "
+            f"{type(restore).__name__}."
+        )
+    found = [x for x in jax.tree.leaves(target, is_leaf=is_state) if is_state(x)]
+    if not found:
+        raise ValueError(
+            "`target` contains no jxs.DynamicScalingState: pass what you would "
+            f"restore into, e.g. `tx.init(params)`; got {type(target).__name__}."
+        )
+    legacy = jax.tree.map(
+        lambda x: x._replace(nonfinite_leaves=None) if is_state(x) else x,
+        target,
+        is_leaf=is_state,
+    )
+    restored = restore(legacy)
+    flags = iter(
+        jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), x.nonfinite_leaves)
+        for x in found
+    )
+    return jax.tree.map(
+        lambda x: x._replace(nonfinite_leaves=next(flags)) if is_state(x) else x,
+        restored,
+        is_leaf=is_state,
+    )

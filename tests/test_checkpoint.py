@@ -497,3 +497,44 @@ def test_diagnostic_options_never_change_what_restores(
     out = jxs.validate_state(out)
     assert_bit_identical(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, state))
     assert jxs.nonfinite_paths(out) == ["w"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_0_1_0_checkpoint_without_flags_loads_through_upgrade_checkpoint(
+    tmp_path, backend
+):
+    """0.1.0 wrote ``nonfinite_leaves=None`` by default; restoring that into
+    today's ``tx.init(params)`` fails on the structure, and
+    ``jxs.upgrade_checkpoint`` restores it with fresh flags."""
+    params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+    tx = jxs.accumulate(jxs.dynamic_scaling(optax.sgd(0.1)), every_k=1)
+    state = tx.init(params)
+    for g in [jnp.inf, 1.0, 1.0]:
+        grads = jax.tree.map(lambda p, g=g: p + g, params)
+        _, state = jax.jit(tx.update)(grads, state)
+    old = state._replace(inner_state=state.inner_state._replace(nonfinite_leaves=None))
+    target = tx.init(params)
+    (tmp_path / "direct").mkdir()
+    (tmp_path / "upgraded").mkdir()
+    with pytest.raises(Exception):  # noqa: B017 - orbax and flax raise differently
+        BACKENDS[backend](tmp_path / "direct", old, target)
+    restored = jxs.upgrade_checkpoint(
+        lambda like: BACKENDS[backend](tmp_path / "upgraded", old, like), target
+    )
+    restored = jxs.validate_state(restored)
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    assert_bit_identical(
+        jax.tree.map(np.asarray, restored.inner_state._replace(nonfinite_leaves=None)),
+        jax.tree.map(np.asarray, old.inner_state),
+    )
+    assert jxs.nonfinite_paths(restored) == []
+    assert int(jxs.summary(restored)["skipped_steps"]) == 1
+    _, state = jax.jit(tx.update)(params, restored)  # trains on
+    assert int(jxs.summary(state)["steps"]) == 4
+
+
+def test_upgrade_checkpoint_errors():
+    with pytest.raises(TypeError, match="`restore` must be a function"):
+        jxs.upgrade_checkpoint("ckpt", {})
+    with pytest.raises(ValueError, match="contains no jxs.DynamicScalingState"):
+        jxs.upgrade_checkpoint(lambda like: like, {"w": jnp.ones(2)})
