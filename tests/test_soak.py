@@ -18,6 +18,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
+import jaxscale.testing as jxt
 
 # --------------------------------------------------------------------------- #
 # The state machine: 1,000,000 steps under lax.scan against a fast reference.
@@ -27,40 +28,11 @@ MACHINE_STEPS = 1_000_000
 
 
 def reference(ls: jxs.DynamicLossScale, finite: np.ndarray):
-    """The documented rule in plain Python, fast enough for a million steps.
-
-    Exactly float32: a float32 times a float32 is exact in float64 (48 bits), so
-    rounding that product to float32 once gives the float32 product.
-    """
-    gf, bf = float(ls.growth_factor), float(ls.backoff_factor)
-    interval, hyst = ls.growth_interval, ls.hysteresis
-    lo, hi = float(ls.min_scale), float(ls.max_scale)
-    scale = float(ls.loss_scale)
-    growth, budget = int(ls.growth_tracker), int(ls.hysteresis_tracker)
-    f32 = np.float32
-    n = len(finite)
-    scales = np.empty(n, np.float32)
-    trackers = np.empty(n, np.int32)
-    budgets = np.empty(n, np.int32)
-    with np.errstate(over="ignore"):
-        for i, ok in enumerate(finite.tolist()):
-            if ok:
-                budget = hyst
-                growth += 1
-                if growth >= interval:
-                    growth = 0
-                    grown = float(f32(scale * gf))
-                    if grown <= hi:
-                        scale = grown
-            else:
-                growth = 0
-                if budget > 1:
-                    budget -= 1
-                else:
-                    scale = max(float(f32(scale * bf)), lo)
-            scales[i] = scale
-            trackers[i] = growth
-            budgets[i] = budget
+    """The documented rule, from ``jaxscale.testing.simulate`` (pure Python)."""
+    steps = jxt.simulate(ls, finite)
+    scales = np.array([s.loss_scale for s in steps], np.float32)
+    trackers = np.array([s.growth_tracker for s in steps], np.int32)
+    budgets = np.array([s.hysteresis_tracker for s in steps], np.int32)
     return scales, trackers, budgets
 
 
