@@ -10,9 +10,6 @@ from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (
     accumulate_value_and_grad as accumulate_value_and_grad,
 )
-from jaxscale._checkpoint import (
-    register_flax_serialization as register_flax_serialization,
-)
 from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
@@ -63,7 +60,6 @@ __all__ = [
     "loss_scale_of",
     "monitor",
     "nonfinite_paths",
-    "register_flax_serialization",
     "select_tree",
     "summary",
     "to_torch_state_dict",

@@ -3,8 +3,9 @@
 orbax-checkpoint needs nothing from jaxscale: the loss scales are registered
 pytrees, so orbax saves their array leaves and rebuilds the static configuration
 from the abstract target. ``flax.serialization`` instead walks objects through its
-own registry, which jaxscale fills on request (:func:`register_flax_serialization`),
-so that ``import jaxscale`` never imports Flax.
+own registry, which jaxscale fills on ``import jaxscale.flax`` (or an explicit
+:func:`register_flax_serialization`), so that ``import jaxscale`` never imports
+Flax.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def register_flax_serialization() -> None:
 
     ``flax.serialization`` (``to_state_dict``, ``from_state_dict``,
     ``to_bytes``, ``from_bytes``, ``msgpack_serialize``) only walks types in its
-    own registry; without this call ``to_bytes`` of a state holding a
-    :class:`DynamicLossScale` raises ``TypeError: can not serialize``. jaxscale
-    does not import Flax on ``import jaxscale``, so the registration is a call you
-    make once, before the first (de)serialisation. It is idempotent.
+    own registry; without this registration ``to_bytes`` of a state holding a
+    :class:`DynamicLossScale` raises ``TypeError: can not serialize``.
+    ``import jaxscale`` does not import Flax; ``import jaxscale.flax`` calls this
+    function, and calling it again is harmless (it is idempotent).
 
     What is saved: the array fields only, by name (``loss_scale``,
     ``growth_tracker``, ``hysteresis_tracker`` for :class:`DynamicLossScale`;
@@ -100,8 +101,9 @@ def register_flax_serialization() -> None:
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp, optax
+      >>> import jaxscale.flax as jxf
       >>> from flax import serialization
-      >>> jxs.register_flax_serialization()
+      >>> jxf.register_flax_serialization()  # done by the import too
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
       >>> state = tx.init({"w": jnp.zeros(2)})
       >>> state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state)[1]
@@ -115,7 +117,8 @@ def register_flax_serialization() -> None:
         from flax import serialization
     except ImportError as e:  # pragma: no cover - flax is a test dependency
         raise ImportError(
-            "`jxs.register_flax_serialization()` needs Flax: pip install flax. "
+            "`jaxscale.flax.register_flax_serialization()` needs Flax: "
+            "pip install flax. "
             "(orbax-checkpoint works without it.)"
         ) from e
     for cls in _CLASSES:
@@ -152,8 +155,8 @@ def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp, optax
+      >>> import jaxscale.flax  # registers the loss scales with flax
       >>> from flax import serialization
-      >>> jxs.register_flax_serialization()
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
       >>> target = tx.init({"w": jnp.zeros(2)})
       >>> old = target._replace(nonfinite_leaves=None)  # what 0.1.0 wrote

@@ -22,9 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
+from jaxscale._checkpoint import register_flax_serialization
 from jaxscale._transform import DynamicScalingState, _is_variable, _unwrap_variable
 
-__all__ = ["TrainState", "update_applied"]
+__all__ = ["TrainState", "register_flax_serialization", "update_applied"]
+
+# Importing this module means Flax is in use: teach flax.serialization the loss
+# scales now (idempotent; the function stays public for explicit calls).
+register_flax_serialization()
 
 
 def _scaling_states(opt_state: Any) -> list[DynamicScalingState]:

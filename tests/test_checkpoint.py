@@ -16,6 +16,7 @@ import pytest
 from conftest import relaxed
 
 import jaxscale as jxs
+import jaxscale.flax as jxf
 from jaxscale.testing import assert_bit_identical
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -103,14 +104,14 @@ def _orbax_roundtrip(tmp_path, tree, target):
 
 
 def _flax_roundtrip(tmp_path, tree, target):
-    jxs.register_flax_serialization()
+    jxf.register_flax_serialization()
     path = tmp_path / "ckpt.msgpack"
     path.write_bytes(serialization.to_bytes(tree))
     return serialization.from_bytes(target, path.read_bytes())
 
 
 def _flax_state_dict_roundtrip(tmp_path, tree, target):
-    jxs.register_flax_serialization()
+    jxf.register_flax_serialization()
     state_dict = serialization.to_state_dict(tree)
     # The state dict holds arrays and plain containers only.
     assert not any(
@@ -204,8 +205,8 @@ def test_flax_registration_is_explicit_lazy_and_idempotent():
         "    assert 'DynamicLossScale' in str(e), e\n"
         "else:\n"
         "    raise SystemExit('serialised without registration')\n"
-        "jxs.register_flax_serialization()\n"
-        "jxs.register_flax_serialization()\n"
+        "import jaxscale.flax as jxf\n"  # registers on import
+        "jxf.register_flax_serialization()\n"
         "r = serialization.from_bytes(s, serialization.to_bytes(s))\n"
         "assert float(r.loss_scale.loss_scale) == 2.0**16\n"
     )
@@ -213,7 +214,7 @@ def test_flax_registration_is_explicit_lazy_and_idempotent():
 
 
 def test_flax_state_dict_keys_are_strict():
-    jxs.register_flax_serialization()
+    jxf.register_flax_serialization()
     target = make_tx().init({"w": jnp.ones(2)})
     state_dict = serialization.to_state_dict(target)
     assert set(state_dict["loss_scale"]) == {

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import jaxscale as jxs
+import jaxscale.flax as jxf
 import jaxscale.testing as jxt
 
 TINY = float(np.finfo(np.float32).tiny)
@@ -358,7 +359,7 @@ def test_repair_always_yields_a_valid_state(config, scale, tracker, budget, wide
 @given(bucket_ls=loss_scales())
 def test_flax_serialization_round_trips_any_valid_state(bucket_ls):
     serialization = pytest.importorskip("flax.serialization")
-    jxs.register_flax_serialization()
+    jxf.register_flax_serialization()
     i, ls = bucket_ls
     target = base_loss_scale(i)
     back = serialization.from_bytes(target, serialization.to_bytes(ls))
