@@ -29,21 +29,16 @@ from optax import OptState, Params, Updates
 from jaxscale._distributed import match_varying
 from jaxscale._structure import check_updates_match_params
 from jaxscale._transform import _negative_zeros, loss_scale_of, value_and_grad
-from jaxscale._tree import is_float_leaf
+from jaxscale._tree import compute_dtype, is_float_leaf
 
 __all__ = ["AccumulateState", "accumulate", "accumulate_value_and_grad"]
-
-
-def _acc_dtype(dtype: Any) -> Any:
-    """float64 stays float64; every other float dtype accumulates in float32."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
 def _zeros_acc(x: Any) -> jax.Array:
     """A fresh accumulator for one leaf: float32 zeros for f16/bf16/f32 leaves."""
     x = jnp.asarray(x) if not hasattr(x, "shape") else x
     if is_float_leaf(x):
-        return jnp.zeros(x.shape, _acc_dtype(x.dtype))
+        return jnp.zeros(x.shape, compute_dtype(x.dtype))
     return jnp.zeros(x.shape, x.dtype)
 
 
@@ -335,7 +330,7 @@ def accumulate_value_and_grad(
         )
         losses, aux = outs if has_aux else (outs, None)
         losses = jnp.asarray(losses)
-        loss = jnp.mean(losses.astype(_acc_dtype(losses.dtype)), axis=0)
+        loss = jnp.mean(losses.astype(compute_dtype(losses.dtype)), axis=0)
         loss = loss.astype(losses.dtype)
         return ((loss, aux) if has_aux else loss), grads
 

@@ -31,7 +31,7 @@ def _compute_dtype(leaves: list[jax.Array]) -> Any:
     return jnp.float64 if any(x.dtype == jnp.float64 for x in leaves) else jnp.float32
 
 
-def _global_norm(leaves: list[jax.Array], dtype: Any) -> jax.Array:
+def overflow_safe_norm(leaves: list[jax.Array], dtype: Any) -> jax.Array:
     """``sqrt(sum(x**2))`` over the leaves, accumulated in ``dtype``.
 
     One pass (square and sum, as optax does) in the common case. Only if that sum
@@ -91,7 +91,7 @@ def global_norm(tree: Any) -> jax.Array:
       Array(inf, dtype=float16)
     """
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
-    return _global_norm(leaves, _compute_dtype(leaves))
+    return overflow_safe_norm(leaves, _compute_dtype(leaves))
 
 
 def _check_max_norm(max_norm: Any) -> None:
@@ -162,7 +162,7 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
         del params
         leaves = [jnp.asarray(x) for x in jax.tree.leaves(updates) if is_float_leaf(x)]
         dtype = _compute_dtype(leaves)
-        norm = _global_norm(leaves, dtype)
+        norm = overflow_safe_norm(leaves, dtype)
         limit = jnp.asarray(max_norm, dtype)
         trigger = norm < limit
 

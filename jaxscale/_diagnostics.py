@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._clip import overflow_safe_norm
 from jaxscale._composition import find_state
 from jaxscale._hooks import leaf_names, path_name
 from jaxscale._loss_scale import DynamicLossScale, LossScale
@@ -397,20 +398,6 @@ def underflow_report(
 # --------------------------------------------------------------------------- #
 
 
-def _robust_norm(parts: list[jax.Array]) -> jax.Array:
-    """``sqrt(sum(x**2))`` over several f32 arrays, without overflowing f32."""
-    m = jnp.zeros((), _F32)
-    for p in parts:
-        m = jnp.maximum(m, jnp.max(jnp.abs(p)) if p.size else _F32(0))
-    safe = jnp.where(jnp.isfinite(m) & (m > 0), m, _F32(1))
-    ssq = jnp.zeros((), _F32)
-    for p in parts:
-        if p.size:
-            ssq = ssq + jnp.sum(jnp.square(p / safe))
-    norm = safe * jnp.sqrt(ssq)
-    return jnp.where(jnp.isfinite(m), jnp.where(m > 0, norm, _F32(0)), m)
-
-
 def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
     """The L2 norm of each leaf (or group of leaves) of a tree, in float32.
 
@@ -456,4 +443,4 @@ def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
             continue
         key = path_name(path if depth is None else tuple(path)[:depth])
         groups.setdefault(key, []).append(jnp.asarray(x).astype(_F32))
-    return {k: _robust_norm(v) for k, v in groups.items()}
+    return {k: overflow_safe_norm(v, _F32) for k, v in groups.items()}

@@ -20,7 +20,7 @@ import optax
 from jax import lax
 
 from jaxscale._loss_scale import unscale_leaf
-from jaxscale._tree import is_float_leaf
+from jaxscale._tree import is_float_leaf, saturating_increment
 
 __all__ = [
     "OverflowEvent",
@@ -231,8 +231,7 @@ def count_at_floor(loss_scale: Any, count: jax.Array) -> jax.Array:
     if min_scale is None:
         return count
     at_floor = loss_scale.loss_scale <= jnp.float32(min_scale)
-    bumped = jnp.where(count < np.iinfo(np.int32).max, count + 1, count)
-    return jnp.where(at_floor, bumped, 0).astype(jnp.int32)
+    return jnp.where(at_floor, saturating_increment(count), 0).astype(jnp.int32)
 
 
 def diagnose(options: Options, old: Any, new: Any) -> None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._tree import is_float_leaf
+from jaxscale._tree import compute_dtype, is_float_leaf
 
 __all__ = [
     "DynamicLossScale",
@@ -118,17 +118,12 @@ def _as_bool_scalar(name: str, value: jax.typing.ArrayLike) -> jax.Array:
 # --------------------------------------------------------------------------- #
 
 
-def _compute_dtype(dtype: Any) -> Any:
-    """float64 leaves compute in float64, every other float dtype in float32."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
 def _scale_tree(tree: Any, scale: jax.Array) -> Any:
     def leaf(x):
         if not is_float_leaf(x):
             return x
         x = jnp.asarray(x)
-        c = _compute_dtype(x.dtype)
+        c = compute_dtype(x.dtype)
         return (x.astype(c) * scale.astype(c)).astype(x.dtype)
 
     return jax.tree.map(leaf, tree)
@@ -153,7 +148,7 @@ def unscale_leaf(x: Any, hi: jax.Array, lo: jax.Array) -> Any:
     if not is_float_leaf(x):
         return x
     x = jnp.asarray(x)
-    c = _compute_dtype(x.dtype)
+    c = compute_dtype(x.dtype)
     return (x.astype(c) * hi.astype(c) * lo.astype(c)).astype(x.dtype)
 
 

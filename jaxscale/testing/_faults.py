@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from jaxscale._hooks import path_name
-from jaxscale._tree import is_float_leaf
+from jaxscale._tree import is_float_leaf, saturating_increment
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -217,7 +217,7 @@ def nonfinite_at(
         out = inject_nonfinite(
             updates, step=state.step, at_steps=at, paths=paths, value=value
         )
-        step = jnp.where(state.step < _INT32_MAX, state.step + 1, state.step)
+        step = saturating_increment(state.step)
         return out, NonfiniteAtState(step=step)
 
     return optax.GradientTransformation(init_fn, update_fn)
