@@ -41,14 +41,16 @@ class CompositionWarning(UserWarning):
 
 def is_variable(x: Any) -> bool:
     """Flax NNX variables (``nnx.Param``, ``OptArray``) count as leaves."""
-    return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
+    return type(x).__module__.startswith("flax.nnx") and (
+        hasattr(x, "get_value") or hasattr(x, "value")
+    )
 
 
 def unwrap_variable(x: Any) -> Any:
     """The array inside a Flax NNX variable wrapper; anything else unchanged."""
-    if is_variable(x):
-        return x.get_value()
-    return x
+    if not is_variable(x):
+        return x
+    return x.get_value() if hasattr(x, "get_value") else x.value
 
 
 def opt_state_of(state: Any) -> Any:

@@ -54,3 +54,19 @@ def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation
 @pytest.fixture
 def relax():
     return relaxed
+
+
+def enable_x64():
+    """``jax.enable_x64(True)`` (jax >= 0.8), or its older experimental form."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64 as legacy
+
+    return legacy(True)
+
+
+def set_mesh(mesh):
+    """``jax.set_mesh(mesh)`` (jax >= 0.7.1), or ``jax.sharding.use_mesh``."""
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(mesh)
+    return jax.sharding.use_mesh(mesh)

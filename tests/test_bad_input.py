@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from conftest import enable_x64, relaxed
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
@@ -196,7 +196,7 @@ def test_mixed_dtypes_preserved_and_each_leaf_checked_in_its_own_dtype():
 
 
 def test_float64_under_x64():
-    with jax.enable_x64(True):
+    with enable_x64():
         params = {
             "d": jnp.array([1.0, 2.0], jnp.float64),
             "s": jnp.array([1.0], jnp.float32),

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import relaxed
 
 import jaxscale as jxs
 from jaxscale.testing import assert_bit_identical
-from tests.conftest import relaxed
 
 HALF = [jnp.float16, jnp.bfloat16]
 

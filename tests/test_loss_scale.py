@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import enable_x64
 
 import jaxscale as jxs
 from jaxscale.testing import simulate
@@ -248,7 +249,7 @@ def test_scale_f16_computes_in_f32_before_casting():
 
 
 def test_unscale_float64_under_x64():
-    with jax.enable_x64(True):
+    with enable_x64():
         ls = jxs.StaticLossScale.create(3.0)
         x = jnp.array([1.0, 2.0], jnp.float64)
         out = jax.jit(ls.unscale)(x)

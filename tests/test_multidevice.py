@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from conftest import relaxed, set_mesh
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -262,7 +262,7 @@ def test_init_under_jit_in_a_mesh_context_is_replicated():
     mesh = mesh_of(AxisType.Auto)
     params = put(fsdp_params(), mesh, fsdp_specs())
     tx = jxs.dynamic_scaling(optax.sgd(0.1))
-    with jax.set_mesh(mesh):
+    with set_mesh(mesh):
         state = jax.jit(tx.init)(params)
     assert state.loss_scale.loss_scale.sharding.is_fully_replicated
     assert len(state.loss_scale.loss_scale.sharding.device_set) == N
