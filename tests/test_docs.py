@@ -162,3 +162,14 @@ def test_quickstart_guide_quotes_the_example():
                 f"docs/quickstart.md quotes a line that examples/quickstart.py "
                 f"does not have: {line.strip()!r}"
             )
+
+
+def test_the_test_command_also_runs_the_avx2_pass_and_the_floors():
+    """Instruction-set and dependency-floor checks cannot silently drop out."""
+    tests = _readme_commands()["Tests"]
+    assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2" in tests
+    assert tests.rstrip().endswith("&& .ci/floors")
+    floors = (ROOT / ".ci" / "floors").read_text()
+    assert "set -euo pipefail" in floors and "rm -rf .venv-floors" in floors
+    for name in ("jax", "optax", "flax"):
+        assert f"floor {name}" in floors
