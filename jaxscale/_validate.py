@@ -145,7 +145,7 @@ def _check_int(
     if not lo <= x <= hi:
         x = c.fix(field, rule, x, min(max(x, lo), hi))
         changed = True
-    return float(np.float32(x)), changed
+    return int(x), changed  # exact: an int32 does not round-trip through float32
 
 
 def _validate_loss_scale(ls: Any, c: _Checker) -> Any:

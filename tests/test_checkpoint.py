@@ -539,3 +539,18 @@ def test_upgrade_checkpoint_errors():
         jxs.upgrade_checkpoint("ckpt", {})
     with pytest.raises(ValueError, match="contains no jxs.DynamicScalingState"):
         jxs.upgrade_checkpoint(lambda like: like, {"w": jnp.ones(2)})
+
+
+def test_validate_state_keeps_counters_above_2_24_exact():
+    """0.1.0 rounded int32 counters through float32: 2**24 + 1 was rejected as
+    out of range, and ``repair=True`` set it to 16777216."""
+    big = jnp.int32(2**24 + 1)
+    state = _state()._replace(steps=big, skipped_steps=big, consecutive_skips=big)
+    state = state._replace(last_step_finite=jnp.bool_(False))
+    assert jxs.validate_state(state) is state
+    with pytest.warns(UserWarning, match="consecutive_skips"):
+        fixed = jxs.validate_state(
+            state._replace(consecutive_skips=jnp.int32(2**24 + 3)), repair=True
+        )
+    assert int(fixed.consecutive_skips) == 2**24 + 1  # clamped to skipped_steps
+    assert int(fixed.steps) == 2**24 + 1
