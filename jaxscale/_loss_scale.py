@@ -460,7 +460,8 @@ class DynamicLossScale(LossScale):
           hysteresis: consecutive overflows before the scale backs off, >= 1
             (1 is torch's rule).
           min_scale: the floor, >= ``2**-126``.
-          max_scale: the ceiling, a finite float32 >= ``min_scale``.
+          max_scale: the ceiling, a float32 >= ``min_scale``; ``float("inf")``
+            means no ceiling (the largest finite float32, the default).
 
         Returns:
           A new :class:`DynamicLossScale` whose leaves are fresh device arrays.
@@ -492,6 +493,10 @@ class DynamicLossScale(LossScale):
         interval = _positive_int("growth_interval", growth_interval, ">= 1")
         hyst = _positive_int("hysteresis", hysteresis, ">= 1")
         lo = _as_f32("min_scale", min_scale)
+        # ``inf`` is how torch users say "no ceiling": the largest finite
+        # float32, which is the ceiling anyway (a growth to inf is dropped).
+        if _real("max_scale", max_scale) == math.inf:
+            max_scale = DEFAULT_MAX_SCALE
         hi = _as_f32("max_scale", max_scale)
         _check_scale_bounds(init, lo, hi)
         return cls(

@@ -360,3 +360,14 @@ def test_select_tree_and_errors():
         jxs.select_tree(True, a, {"w": jnp.zeros(2)})
     with pytest.raises(ValueError, match=r"\['w'\] differ"):
         jxs.select_tree(True, a, {"w": jnp.zeros(3), "n": jnp.int32(2)})
+
+
+def test_max_scale_inf_means_no_ceiling():
+    """torch users say "no ceiling" with ``inf``: the same as the default."""
+    ls = jxs.DynamicLossScale.create(max_scale=float("inf"))
+    assert ls.max_scale == jxs.DynamicLossScale.create().max_scale
+    assert ls.max_scale == float(np.finfo(np.float32).max)
+    with pytest.raises(ValueError, match=r"`max_scale` must be finite|`min_scale`"):
+        jxs.DynamicLossScale.create(max_scale=-float("inf"))
+    with pytest.raises(ValueError, match="smallest normal float32, so that 1/scale"):
+        jxs.DynamicLossScale.create(min_scale=2.0**-140, init_scale=1.0)
