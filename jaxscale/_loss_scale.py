@@ -133,7 +133,8 @@ def reciprocal_parts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Splits ``1/scale`` into two float32 factors that are never subnormal.
 
     For ``scale <= 2**126`` this is ``(1/scale, 1)``, so ``x * hi * lo`` equals
-    torch's ``x * (1/scale)`` bit for bit. Above ``2**126``, ``1/scale`` is a
+    torch's ``x * (1/scale)`` bit for bit wherever the product is a normal number
+    (XLA flushes subnormal results to zero). Above ``2**126``, ``1/scale`` is a
     float32 subnormal that XLA flushes to zero (every gradient would become 0);
     there the power of two ``2**-64`` is split off and applied separately.
     """
@@ -207,7 +208,8 @@ class LossScale(abc.ABC):
         float32 (float64 for f64 leaves) and cast back to its own dtype, so an f16
         gradient comes back f16 and can still underflow there; keep master
         parameters in float32 to get float32 gradients. For scales up to ``2**126``
-        the result equals torch's ``grad * (1/scale)`` bit for bit; above it the
+        the result equals torch's ``grad * (1/scale)`` bit for bit for normal
+        (non-subnormal) results, which XLA:CPU flushes to zero; above it the
         reciprocal is split into two normal factors so the result stays exact
         where a plain ``grad * (1/scale)`` would be flushed to zero by XLA.
         Integer, boolean and ``None`` leaves pass through untouched.
