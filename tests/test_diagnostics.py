@@ -577,3 +577,18 @@ def test_layer_norms_errors():
         jxs.layer_norms({}, depth=1.0)
     with pytest.raises(ValueError, match="`depth` must be >= 1, got 0"):
         jxs.layer_norms({}, depth=0)
+
+
+def test_floor_warning_as_error_stops_the_run_with_its_message():
+    ls = jxs.DynamicLossScale.create(init_scale=2.0, min_scale=1.0)
+    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=2)
+    params = make_params()
+    step = jax.jit(tx.update)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=jxs.ScaleAtFloorWarning)
+        with pytest.raises(Exception, match="ScaleAtFloorWarning: jaxscale: the loss"):
+            state = tx.init(params)
+            for _ in range(4):
+                _, state = step(grads_like(params, math.inf), state, params)
+            jax.block_until_ready(state)
+            jax.effects_barrier()
