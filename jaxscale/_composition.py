@@ -84,12 +84,12 @@ def find_state(
     what = " or ".join(f"jxs.{k.__name__}" for k in _as_tuple(kind))
     if not found:
         hint = ""
-        if type(tree).__name__ == "State" and type(tree).__module__.startswith(
-            "flax.nnx"
-        ):
+        if _is_nnx_state(tree):
             hint = (
-                " An nnx.State of the model only holds no optimizer state: pass "
-                "the state of the `nnx.Optimizer` (or merge it first)."
+                " An nnx.State (from `nnx.split`) holds the optimizer's arrays but "
+                "not the loss scale's configuration, which lives in the GraphDef: "
+                "merge first, `optimizer = nnx.merge(graphdef, state)`, and pass "
+                "the optimizer (or `optimizer.opt_state`)."
             )
         raise ValueError(
             f"`{name}` contains no {what}. Build the optimizer with "
@@ -105,6 +105,12 @@ def find_state(
         )
     path, node = found[0]
     return path, jax.tree.map(unwrap_variable, node, is_leaf=is_variable)
+
+
+def _is_nnx_state(x: Any) -> bool:
+    return type(x).__name__ in ("State", "GraphState") and type(
+        x
+    ).__module__.startswith("flax.nnx")
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._composition import _is_nnx_state
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
@@ -354,10 +355,17 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
     else:
         out = jax.tree_util.tree_map_with_path(check, state, is_leaf=_is_ours)
     if not found:
+        hint = ""
+        if _is_nnx_state(state):
+            hint = (
+                " An nnx.State (from `nnx.split`) holds the arrays but not the "
+                "loss scale's configuration, which lives in the GraphDef: validate "
+                "`nnx.merge(graphdef, state)` instead."
+            )
         raise ValueError(
             "`state` contains no jaxscale state (a jxs.DynamicScalingState or "
             f"jxs.LossScale), got {type(state).__name__}. Pass the optimizer state "
-            "built by `jxs.dynamic_scaling`."
+            f"built by `jxs.dynamic_scaling`.{hint}"
         )
     if repairs:
         warnings.warn(
