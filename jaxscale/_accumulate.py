@@ -26,6 +26,7 @@ import optax
 from jax import lax
 from optax import OptState, Params, Updates
 
+from jaxscale import _nnx
 from jaxscale._distributed import match_varying
 from jaxscale._structure import check_updates_match_params
 from jaxscale._transform import _negative_zeros, loss_scale_of, value_and_grad
@@ -307,32 +308,55 @@ def accumulate_value_and_grad(
             )
         xs = _split(tuple(args[i] for i in idx), num_microbatches)
         k = jax.tree.leaves(xs)[0].shape[0]
+        call, carry0, finish = _grad_call(args, kwargs)
 
-        def micro(mb: tuple[Any, ...]) -> tuple[Any, Any]:
+        def micro(mb: tuple[Any, ...], carry: Any) -> tuple[Any, Any, Any]:
             full = list(args)
             for i, x in zip(idx, mb, strict=True):
                 full[i] = x
-            return grad_fn(*full, **kwargs)
+            return call(full, carry)
 
         first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
-        _, grads_shape = jax.eval_shape(micro, first)
+        _, grads_shape, _ = jax.eval_shape(micro, first, carry0)
         acc0 = jax.tree.map(_zeros_acc, grads_shape)
 
-        def body(acc, mb):
-            out, grads = micro(mb)
-            return jax.tree.map(_add, acc, grads), out
+        def body(state, mb):
+            acc, carry = state
+            out, grads, carry = micro(mb, carry)
+            return (jax.tree.map(_add, acc, grads), carry), out
 
-        acc, outs = lax.scan(body, acc0, xs)
+        (acc, carry), outs = lax.scan(body, (acc0, carry0), xs)
         grads = jax.tree.map(
             lambda t, s: (t / k).astype(s.dtype) if is_float_leaf(s) else t,
             acc,
             grads_shape,
         )
+        grads = finish(grads, carry)
         losses, aux = outs if has_aux else (outs, None)
         losses = jnp.asarray(losses)
         loss = jnp.mean(losses.astype(compute_dtype(losses.dtype)), axis=0)
         loss = loss.astype(losses.dtype)
         return ((loss, aux) if has_aux else loss), grads
+
+    def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]):
+        """``(call, carry0, finish)``: one micro-batch's ``(out, grads, carry)``.
+
+        Plain arguments: ``carry`` is unused. Flax NNX modules at the
+        differentiated positions are split once, outside the scan; their
+        non-parameter state (BatchNorm statistics, RNG counts) is the carry, so
+        it advances micro-batch by micro-batch, and ``finish`` writes it back.
+        """
+        positions = _nnx.module_positions(args, diff)
+        if not positions:
+
+            def plain(full, carry):
+                out, grads = grad_fn(*full, **kwargs)
+                return out, grads, carry
+
+            return plain, None, lambda grads, carry: grads
+        split = _nnx.NnxArgs(args, positions, _nnx.default_wrt(loss_scale))
+        call, finish = split.grad_call(fun, ls, has_aux, argnums, kwargs)
+        return call, split.rests, finish
 
     return wrapped
 

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from optax import OptState, Params, Updates
 
-from jaxscale import _distributed, _hooks
+from jaxscale import _distributed, _hooks, _nnx
 from jaxscale._composition import (
     check_composition,
     check_inner,
@@ -506,6 +506,10 @@ def _find_loss_scale(opt_state: Any, name: str) -> LossScale:
     return found
 
 
+def _argnum_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     loss_scale: Any,
@@ -554,6 +558,13 @@ def value_and_grad(
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        positions = _nnx.module_positions(args, _argnum_tuple(argnums))
+        if positions:  # Flax NNX modules: split, differentiate, write back
+            _nnx.check_all_modules(positions, _argnum_tuple(argnums))
+            split = _nnx.NnxArgs(args, positions, _nnx.default_wrt(loss_scale))
+            call, finish = split.grad_call(fun, ls, has_aux, argnums, kwargs)
+            out, grads, rests = call(args, split.rests)
+            return out, finish(grads, rests)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
