@@ -36,7 +36,7 @@ from jaxscale._tree import all_finite as all_finite
 from jaxscale._tree import select_tree as select_tree
 from jaxscale._validate import validate_state as validate_state
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
