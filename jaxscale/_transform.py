@@ -169,63 +169,6 @@ def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
     return lax.cond(quick, lambda _: quick, exact, leaves)
 
 
-# Below this many elements a relayout is cheap whichever way XLA does it, so
-# small leaves keep their shape. (Reading a leaf through the flat copy can change
-# how XLA:CPU compiles the branch, e.g. contract a multiply-add into an FMA: the
-# last bit of an update may then differ from an unjitted run of ``inner``.)
-_RELAYOUT_MIN_SIZE = 2**16
-
-
-def _is_large_unsharded_matrix(x: Any) -> bool:
-    if not is_float_leaf(x) or jnp.ndim(x) < 2 or jnp.size(x) < _RELAYOUT_MIN_SIZE:
-        return False
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    mesh = getattr(sharding, "mesh", None)
-    # On an Auto mesh axis the partitioner picks the layout after tracing (the
-    # spec reads all-None): a gradient split on a minor dimension would be
-    # all-gathered by the flattening reshape.
-    auto = mesh is not None and any(
-        t == jax.sharding.AxisType.Auto and n > 1
-        for t, n in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
-    )
-    return not auto and (spec is None or all(axis is None for axis in spec))
-
-
-def _row_major(grads: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """On XLA:CPU, flattens large float gradients of rank >= 2; returns an inverse.
-
-    XLA:CPU often hands a dense kernel's gradient over in transposed layout
-    (e.g. from an f16 matmul it emulates in f32). Fed as it is to the check and
-    to ``lax.cond``, it is read with strides by the check and transposed again
-    inside the branch. A flat copy behind an optimization barrier is written
-    once in row-major order and shared by the check and the inner update
-    (reshaping back is free). Elsewhere gradients keep their shape: other
-    backends fold such transposes, and flattening a sharded array could cost
-    communication.
-    """
-    if jax.default_backend() != "cpu":
-        return grads, lambda tree: tree
-    leaves, treedef = jax.tree.flatten(grads)
-    shapes = [jnp.shape(x) if _is_large_unsharded_matrix(x) else None for x in leaves]
-    if all(s is None for s in shapes):
-        return grads, lambda tree: tree
-
-    def reshape(leaves: list[Any], flat: bool) -> list[Any]:
-        return [
-            x if s is None else jnp.reshape(x, -1 if flat else s)
-            for x, s in zip(leaves, shapes, strict=True)
-        ]
-
-    def restore(tree: Any) -> Any:
-        return jax.tree.unflatten(
-            treedef, reshape(treedef.flatten_up_to(tree), flat=False)
-        )
-
-    flat = lax.optimization_barrier(reshape(leaves, flat=True))
-    return jax.tree.unflatten(treedef, flat), restore
-
-
 def dynamic_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -382,14 +325,15 @@ def dynamic_scaling(
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
         # Raw gradients into the cond: the unscale fuses into the inner update.
-        grads, restore = _row_major(updates)
+        # No backend-specific relayout here (0.1.0 copied large gradients to
+        # row-major order on XLA:CPU); docs/performance.md has the measurements.
+        grads = updates
         finite = _unscaled_finite(grads, hi, lo)
         if axis_name is not None:  # one decision for every replica on the axis
             finite = _distributed.all_replicas_finite(finite, axis_name)
 
         def apply(operand):
             grads, inner_state = operand
-            grads = restore(grads)
             # Half-precision leaves reach ``inner`` in float32 (master-weight
             # arithmetic): unscaled, but not cast back, with float32 params.
             unscaled = jax.tree.map(lambda g: unscale_leaf(widen(g), hi, lo), grads)
@@ -407,7 +351,7 @@ def dynamic_scaling(
             # The inner state comes back unchanged, typed as ``apply`` types it
             # (e.g. varying over ``shard_map`` axes, as its gradients are).
             kept = jax.tree.map(_distributed.match_varying, inner_state, out_inner)
-            flags = _hooks.nonfinite_flags(restore(grads), hi, lo)
+            flags = _hooks.nonfinite_flags(grads, hi, lo)
             return _negative_zeros(out_updates), kept, flags
 
         with explain_structure_errors(updates, state.inner_state):
