@@ -90,6 +90,14 @@ class ScaleAtFloorWarning(RuntimeWarning):
     forward pass, or exploding gradients), not underflowing. Filter it with the
     :mod:`warnings` module like any other warning.
 
+    Turned into an error (``warnings.simplefilter("error", ScaleAtFloorWarning)``)
+    it stops the run, but not with its own type: an exception raised in a host
+    callback reaches your loop as ``jax.errors.JaxRuntimeError`` (on CPU:
+    ``INTERNAL: CpuCallback error calling callback: ...``), raised by the step
+    that fired, whose message ends with this warning's text. To stop a run with
+    an exception of your own, test ``jxs.summary(opt_state)["steps_at_floor"]``
+    where you log.
+
     Examples:
       >>> import jaxscale as jxs
       >>> issubclass(jxs.ScaleAtFloorWarning, RuntimeWarning)
