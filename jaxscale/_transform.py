@@ -439,10 +439,15 @@ def _find_loss_scale(opt_state: Any, name: str) -> LossScale:
     if isinstance(opt_state, int | float | np.number) or (
         isinstance(opt_state, jax.Array | np.ndarray) and np.ndim(opt_state) == 0
     ):
+        shown = (  # a Python number, also for a NumPy / concrete jax scalar
+            opt_state
+            if isinstance(opt_state, int | float | jax.core.Tracer)
+            else opt_state.item()
+        )
         raise TypeError(
             f"`{name}` must be a jxs.LossScale or an optimizer state holding one, "
             f"got the number {opt_state!r}. For a fixed scale pass "
-            f"`jxs.StaticLossScale.create({opt_state!r})`; for dynamic scaling pass "
+            f"`jxs.StaticLossScale.create({shown!r})`; for dynamic scaling pass "
             "the state of `jxs.dynamic_scaling(inner)`."
         )
     _, found = find_state(opt_state, LossScale, name)

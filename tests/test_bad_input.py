@@ -354,6 +354,16 @@ def test_python_float_parameter_in_value_and_grad():
             r"`loss_scale` must be a jxs.LossScale.*StaticLossScale.create\(1024.0\)",
         ),
         (
+            lambda: jxs.value_and_grad(lambda w: w, jnp.float32(1024.0)),
+            TypeError,
+            r"got the number Array\(1024.*StaticLossScale.create\(1024.0\)`",
+        ),
+        (
+            lambda: jax.jit(lambda s: jxs.value_and_grad(lambda w: w, s))(2.0),
+            TypeError,
+            r"`loss_scale` must be a jxs.LossScale or an optimizer state holding one",
+        ),
+        (
             lambda: jxs.dynamic_scaling(optax.sgd(0.1), 1024.0),
             TypeError,
             r"`loss_scale` must be a jxs.LossScale",
@@ -377,7 +387,16 @@ def test_python_float_parameter_in_value_and_grad():
             r"`state_dict\['scale'\]` must be a float",
         ),
     ],
-    ids=["adjust", "interval", "value_and_grad", "dynamic_scaling", "select", "torch"],
+    ids=[
+        "adjust",
+        "interval",
+        "value_and_grad",
+        "value_and_grad_array",
+        "value_and_grad_traced",
+        "dynamic_scaling",
+        "select",
+        "torch",
+    ],
 )
 def test_wrong_kinds_of_scalars_are_rejected_clearly(call, error, match):
     with pytest.raises(error, match=match):
