@@ -85,11 +85,14 @@ def _positive_int(name: str, value: Any, rule: str) -> int:
     return value
 
 
-def _check_scale_bounds(init: float, min_scale: float, max_scale: float) -> None:
+def _check_scale_bounds(
+    init: float, min_scale: float, max_scale: float, given_min: Any
+) -> None:
     if min_scale < DEFAULT_MIN_SCALE:
         raise ValueError(
-            f"`min_scale` must be >= {DEFAULT_MIN_SCALE!r} (the smallest normal "
-            f"float32, so that 1/scale stays finite), got {min_scale!r}."
+            f"`min_scale` must be >= {DEFAULT_MIN_SCALE!r} (2**-126, the smallest "
+            "normal float32: XLA:CPU flushes a subnormal scale to 0, and below "
+            f"2**-128 1/scale overflows to inf), got {given_min!r}."
         )
     if min_scale > max_scale:
         raise ValueError(
@@ -133,8 +136,9 @@ def reciprocal_parts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Splits ``1/scale`` into two float32 factors that are never subnormal.
 
     For ``scale <= 2**126`` this is ``(1/scale, 1)``, so ``x * hi * lo`` equals
-    torch's ``x * (1/scale)`` bit for bit wherever the product is a normal number
-    (XLA flushes subnormal results to zero). Above ``2**126``, ``1/scale`` is a
+    torch's ``x * (1/scale)`` bit for bit wherever the product is a normal
+    (non-subnormal) number (XLA:CPU flushes subnormal results to zero, torch keeps
+    them). Above ``2**126``, ``1/scale`` is a
     float32 subnormal that XLA flushes to zero (every gradient would become 0);
     there the power of two ``2**-64`` is split off and applied separately.
     """
@@ -209,9 +213,10 @@ class LossScale(abc.ABC):
         gradient comes back f16 and can still underflow there; keep master
         parameters in float32 to get float32 gradients. For scales up to ``2**126``
         the result equals torch's ``grad * (1/scale)`` bit for bit for normal
-        (non-subnormal) results, which XLA:CPU flushes to zero; above it the
-        reciprocal is split into two normal factors so the result stays exact
-        where a plain ``grad * (1/scale)`` would be flushed to zero by XLA.
+        (non-subnormal) results; a subnormal result is flushed to zero by XLA:CPU
+        (torch keeps it). Above ``2**126`` the reciprocal is split into two normal
+        factors, so the result stays within one ulp of ``grad / scale`` where a
+        plain ``grad * (1/scale)`` would be flushed to zero by XLA.
         Integer, boolean and ``None`` leaves pass through untouched.
 
         Args:
@@ -500,7 +505,7 @@ class DynamicLossScale(LossScale):
         if _real("max_scale", max_scale) == math.inf:
             max_scale = DEFAULT_MAX_SCALE
         hi = _as_f32("max_scale", max_scale)
-        _check_scale_bounds(init, lo, hi)
+        _check_scale_bounds(init, lo, hi, min_scale)
         return cls(
             loss_scale=jnp.asarray(init, jnp.float32),
             growth_tracker=jnp.zeros((), jnp.int32),

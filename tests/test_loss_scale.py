@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -369,5 +370,45 @@ def test_max_scale_inf_means_no_ceiling():
     assert ls.max_scale == float(np.finfo(np.float32).max)
     with pytest.raises(ValueError, match=r"`max_scale` must be finite|`min_scale`"):
         jxs.DynamicLossScale.create(max_scale=-float("inf"))
-    with pytest.raises(ValueError, match="smallest normal float32, so that 1/scale"):
+    with pytest.raises(ValueError, match="smallest normal float32: XLA:CPU flushes"):
         jxs.DynamicLossScale.create(min_scale=2.0**-140, init_scale=1.0)
+
+
+@pytest.mark.parametrize("floor", [1e-40, 1e-46, 0.0, -1.0])
+def test_floor_below_the_smallest_normal_says_why_with_the_value_given(floor):
+    """The message shows the floor as passed (1e-46 rounds to 0 in float32) and
+    why (0.1.0 showed the float32-rounded value, e.g. 9.99994610111476e-41)."""
+    with pytest.raises(
+        ValueError,
+        match=r"`min_scale` must be >= 1\.17549\d*e-38 \(2\*\*-126, the smallest "
+        r"normal float32: XLA:CPU flushes a subnormal scale to 0, and below 2\*\*-128 "
+        rf"1/scale overflows to inf\), got {re.escape(repr(floor))}\.",
+    ):
+        jxs.DynamicLossScale.create(min_scale=floor, init_scale=1.0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU fact")
+def test_a_subnormal_scale_is_zero_on_xla_cpu():
+    """The facts behind the floor's message."""
+    tiny = jnp.asarray(2.0**-127, jnp.float32)
+    assert float(jax.jit(lambda s: s * 2)(tiny)) == 0.0
+    assert float(jax.jit(lambda s: 1 / s)(tiny)) == math.inf
+    with np.errstate(over="ignore"):  # without the flush too: 2**128 > f32 max
+        assert np.isinf(np.float32(1) / np.float32(2.0**-128))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU fact")
+def test_unscale_flushes_subnormal_results_and_keeps_normal_ones():
+    """The documented limit of the bit-for-bit claim (README, docs/semantics.md):
+    equal to IEEE ``grad * (1/scale)`` (what torch computes) for normal results;
+    a subnormal result is 0 on XLA:CPU (e.g. ``1e-7 / 2**126``)."""
+    ls = jxs.StaticLossScale.create(2.0**126)
+    g = np.array([1e-7, 1.0, 3e-3, -1.5], np.float32)
+    ieee = g * (np.float32(1) / np.float32(2.0**126))  # NumPy keeps subnormals
+    got = np.asarray(jax.jit(ls.unscale)(jnp.asarray(g)))
+    normal = np.abs(ieee) >= np.finfo(np.float32).tiny
+    assert list(normal) == [False, True, False, True]
+    np.testing.assert_array_equal(
+        got[normal].view(np.int32), ieee[normal].view(np.int32)
+    )
+    assert ieee[0] == np.float32(1.4e-45) and got[0] == 0.0 and got[2] == 0.0
