@@ -26,6 +26,8 @@ from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
 from jaxscale._loss_scale import StaticLossScale as StaticLossScale
+from jaxscale._policy import Policy as Policy
+from jaxscale._policy import cast_floating as cast_floating
 from jaxscale._torch_interop import from_torch_state_dict as from_torch_state_dict
 from jaxscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 from jaxscale._transform import DynamicScalingState as DynamicScalingState
@@ -46,12 +48,14 @@ __all__ = [
     "LossScale",
     "NoOpLossScale",
     "OverflowEvent",
+    "Policy",
     "ScaleAtFloorWarning",
     "StaticLossScale",
     "UnderflowReport",
     "accumulate",
     "accumulate_value_and_grad",
     "all_finite",
+    "cast_floating",
     "clip_by_global_norm",
     "dynamic_scaling",
     "from_torch_state_dict",
