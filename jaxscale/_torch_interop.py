@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
+import operator
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from jaxscale._transform import loss_scale_of
 
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
+_A = {int: "an int", float: "a float"}
 _KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval")
 _TRACKER = "_growth_tracker"
 _OVERRIDES = (
@@ -36,14 +37,19 @@ def _number(key: str, value: Any, kind: type) -> Any:
     """``float(value)`` / ``int(value)`` of a Python number or a one-element tensor."""
     if isinstance(value, bool) or value is None or isinstance(value, str | bytes):
         raise TypeError(
-            f"`state_dict[{key!r}]` must be a {kind.__name__} (or a one-element "
+            f"`state_dict[{key!r}]` must be {_A[kind]} (or a one-element "
             f"tensor), got {value!r}."
         )
+    if kind is int:
+        try:  # exact for integer tensors and NumPy ints, never through a float
+            return operator.index(value)
+        except TypeError:
+            pass  # a float (or float tensor): accepted if integral, below
     try:
         x = float(value)
     except (TypeError, ValueError) as e:
         raise TypeError(
-            f"`state_dict[{key!r}]` must be a {kind.__name__} (or a one-element "
+            f"`state_dict[{key!r}]` must be {_A[kind]} (or a one-element "
             f"tensor), got {type(value).__name__}."
         ) from e
     if kind is int:
@@ -51,7 +57,7 @@ def _number(key: str, value: Any, kind: type) -> Any:
             raise ValueError(
                 f"`state_dict[{key!r}]` must be an integer, got {value!r}."
             )
-        return int(value) if isinstance(value, numbers.Integral) else int(x)
+        return int(x)
     return x
 
 

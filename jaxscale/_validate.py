@@ -70,9 +70,10 @@ class _Checker:
                 f"`{self.name(field)}`."
             )
         if not hasattr(value, "dtype") and not isinstance(value, bool | int | float):
+            name = np.dtype(dtype).name
             raise ValueError(
-                f"`{self.name(field)}` must be a {np.dtype(dtype).name}[] array, "
-                f"got {type(value).__name__}."
+                f"`{self.name(field)}` must be {'an' if name[0] in 'aeiou' else 'a'} "
+                f"{name}[] array, got {type(value).__name__}."
             )
         arr = np.asarray(value)
         want = np.dtype(dtype)

@@ -332,7 +332,7 @@ BAD = [
     ({}, {"last_step_finite": jnp.bool_(False)}, r"`last_step_finite` must be `cons"),
     ({}, {"last_step_finite": jnp.int32(1)}, r"`last_step_finite` must be bool\[\]"),
     ({}, {"steps": np.int64(2**40)}, r"`steps` must be int32\[\], got int64"),
-    ({}, {"steps": None}, r"`steps` must be a int32\[\] array, got NoneType"),
+    ({}, {"steps": None}, r"`steps` must be an int32\[\] array, got NoneType"),
     ({}, {"steps_at_floor": jnp.int32(8)}, r"`steps_at_floor` must be in \[0, steps\]"),
 ]
 
@@ -554,3 +554,38 @@ def test_validate_state_keeps_counters_above_2_24_exact():
         )
     assert int(fixed.consecutive_skips) == 2**24 + 1  # clamped to skipped_steps
     assert int(fixed.steps) == 2**24 + 1
+
+
+def test_validate_state_casts_integral_float_counters_exactly():
+    """Counters that come back as float64 (a torch dict, a JSON or msgpack
+    round trip) are cast exactly with ``repair=True``, also above 2**24."""
+    big = np.float64(2**24 + 1)
+    state = (
+        _state()
+        ._replace(steps=big, skipped_steps=big, consecutive_skips=big)
+        ._replace(last_step_finite=jnp.bool_(False))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`steps` must be int32\[\], got float64\[\] 16777217\.0\. Pass "
+        r"`repair=True`",
+    ):
+        jxs.validate_state(state)
+    with pytest.warns(UserWarning, match=r"`steps` float64\[\] 16777217\.0 -> int32"):
+        fixed = jxs.validate_state(state, repair=True)
+    for field in ("steps", "skipped_steps", "consecutive_skips"):
+        value = getattr(fixed, field)
+        assert value.dtype == jnp.int32 and int(value) == 2**24 + 1, field
+    assert jxs.validate_state(fixed) is fixed
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (np.float64(2.5), r"float64\[\] 2\.5"),
+        (np.int64(2**31), r"int64\[\] 2147483648"),
+    ],
+)
+def test_validate_state_never_repairs_a_counter_that_does_not_fit(value, shown):
+    with pytest.raises(ValueError, match=rf"`steps` must be int32\[\], got {shown}\.$"):
+        jxs.validate_state(_state()._replace(steps=value), repair=True)

@@ -268,3 +268,25 @@ def test_the_migration_guide_loop_runs_and_clips_with_jxs_clip_by_global_norm():
     assert float(loss_fn(scope["params"], loader[0])) < float(
         loss_fn(params, loader[0])
     )
+
+
+def test_integer_entries_are_read_exactly_never_through_a_float():
+    """Integer tensors are read with ``__index__``; integral floats still count."""
+    sd = {
+        "scale": torch.tensor(1024.0),
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": torch.tensor(2**24 + 3),
+        "_growth_tracker": np.int64(2**24 + 1),
+    }
+    ls = jxs.from_torch_state_dict(sd)
+    assert ls.growth_interval == 2**24 + 3 and int(ls.growth_tracker) == 2**24 + 1
+    ls = jxs.from_torch_state_dict({**sd, "_growth_tracker": torch.tensor(5.0)})
+    assert int(ls.growth_tracker) == 5
+    # 0.1.0 went through float(): the message showed 9007199254740992.
+    with pytest.raises(ValueError, match=r"\[0, 16777219\), got 9007199254740993\."):
+        jxs.from_torch_state_dict({**sd, "_growth_tracker": torch.tensor(2**53 + 1)})
+    with pytest.raises(ValueError, match=r"`state_dict\['_growth_tracker'\]` must be"):
+        jxs.from_torch_state_dict({**sd, "_growth_tracker": torch.tensor(2.5)})
+    with pytest.raises(TypeError, match=r"must be an int \(or a one-element tensor\)"):
+        jxs.from_torch_state_dict({**sd, "growth_interval": "2000"})
