@@ -66,10 +66,11 @@ def from_torch_state_dict(state_dict: dict[str, Any], **overrides: Any) -> Any:
 
     Reads the five keys torch writes (``scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``_growth_tracker``); values may be
-    Python numbers or one-element tensors (read with ``float()`` / ``int()``, so
-    torch is never imported here). The result continues the torch run exactly:
-    its next :meth:`DynamicLossScale.adjust` calls follow the same scale
-    trajectory as the torch scaler would.
+    Python numbers or one-element tensors (read with ``float()``, integers with
+    ``operator.index()`` so that they stay exact; torch is never imported here).
+    The result continues the torch run exactly: its next
+    :meth:`DynamicLossScale.adjust` calls follow the same scale trajectory as the
+    torch scaler would.
 
     Keyword ``overrides`` are arguments of :meth:`DynamicLossScale.create`
     (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,

@@ -290,3 +290,11 @@ def test_integer_entries_are_read_exactly_never_through_a_float():
         jxs.from_torch_state_dict({**sd, "_growth_tracker": torch.tensor(2.5)})
     with pytest.raises(TypeError, match=r"must be an int \(or a one-element tensor\)"):
         jxs.from_torch_state_dict({**sd, "growth_interval": "2000"})
+
+
+def test_max_scale_inf_override_means_no_ceiling():
+    """torch users' spelling of "no ceiling" works as an override too."""
+    sd = jxs.to_torch_state_dict(jxs.DynamicLossScale.create())
+    ls = jxs.from_torch_state_dict(sd, max_scale=float("inf"))
+    assert ls.max_scale == float(np.finfo(np.float32).max)
+    assert jxs.to_torch_state_dict(ls) == sd  # the default bounds: strict is happy
