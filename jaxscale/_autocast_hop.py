@@ -1,0 +1,341 @@
+"""Higher-order primitives under :func:`jaxscale.autocast`.
+
+Each handler evaluates the sub-computations of one higher-order primitive with the
+interpreter and binds it again, keeping its semantics:
+
+- ``jit`` is re-bound with its jaxpr re-traced at the new dtypes (shardings,
+  donation and the name are kept); ``closed_call`` is inlined.
+- ``scan`` and ``while`` go through ``lax.scan`` / ``lax.while_loop``. A loop carry
+  keeps the dtype it was traced with, or the incoming value's dtype if that is
+  wider: the carry is cast to it on the way in and after every iteration.
+- ``cond`` goes through ``lax.switch``; each output takes the widest dtype any
+  branch gives it.
+- ``checkpoint`` (remat) goes through ``jax.checkpoint`` with the same policy.
+- ``custom_jvp_call`` and ``custom_vjp_call`` are rebuilt as ``jax.custom_jvp`` /
+  ``jax.custom_vjp`` functions whose primal, JVP, forward and backward are the
+  original rules' jaxprs evaluated by the interpreter: the custom derivatives are
+  kept, and the backward runs in the dtypes its forward used.
+- ``shard_map`` goes through ``jax.shard_map`` with the same mesh and specs.
+
+A handler returns ``None`` when the equation's parameters are not the ones it
+knows (another jax version); the interpreter then runs the primitive as traced,
+with an :class:`~jaxscale.AutocastWarning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxscale._autocast_interp import (
+    Info,
+    Interpreter,
+    cast,
+    dtype_of,
+    is_castable,
+    trace,
+    widest,
+)
+
+__all__ = ["HANDLERS"]
+
+Result = tuple[list[Any], list[Info]] | None
+
+
+def _has(params: Any, *keys: str) -> bool:
+    return all(k in params for k in keys)
+
+
+def _default_infos(outs: Sequence[Any]) -> list[Info]:
+    return [Info(len(np.shape(o)), False, False) for o in outs]
+
+
+def _retrace(
+    it: Interpreter, closed: Any, vals: Sequence[Any], infos: Sequence[Info]
+) -> tuple[Any, list[Info]]:
+    """``closed`` evaluated by ``it`` on values like ``vals``, as a new jaxpr."""
+    box: list[list[Info]] = []
+
+    def fn(*xs: Any) -> list[Any]:
+        outs, out_infos = it.eval_closed(closed, xs, infos)
+        box.append(out_infos)
+        return outs
+
+    return trace(fn, [jax.typeof(v) for v in vals]), box[-1]
+
+
+def _carry_dtypes(traced: Sequence[Any], init: Sequence[Any]) -> list[np.dtype]:
+    """A carry keeps its traced dtype, or the incoming dtype if that is wider."""
+    out = []
+    for aval, v in zip(traced, init, strict=True):
+        t, d = aval.dtype, dtype_of(v)
+        out.append(widest([t, d]) if is_castable(t) and is_castable(d) else d)
+    return out
+
+
+def _jit(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    if not _has(eqn.params, "jaxpr"):
+        return None
+    new, out_infos = _retrace(it, eqn.params["jaxpr"], vals, infos)
+    outs = eqn.primitive.bind(*vals, **dict(eqn.params, jaxpr=new))
+    return list(outs), out_infos
+
+
+def _closed_call(
+    it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
+) -> Result:
+    call = eqn.params.get("call_jaxpr")
+    if isinstance(call, jcore.ClosedJaxpr):
+        return it.eval_closed(call, vals, infos)
+    if isinstance(call, jcore.Jaxpr):
+        return it.eval_jaxpr(call, (), vals, infos)
+    return None
+
+
+def _remat(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    p = eqn.params
+    if not _has(p, "jaxpr", "prevent_cse", "policy"):
+        return None
+    jaxpr = p["jaxpr"]
+    closed = jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else None
+
+    def body(*xs: Any) -> list[Any]:
+        if closed is not None:
+            return it.eval_closed(closed, xs, infos)[0]
+        return it.eval_jaxpr(jaxpr, (), xs, infos)[0]
+
+    fn = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
+    outs = fn(*vals)
+    return list(outs), _default_infos(outs)
+
+
+def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    p = eqn.params
+    if not _has(p, "jaxpr", "num_consts", "num_carry", "length", "reverse"):
+        return None
+    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+    dts = _carry_dtypes(body.in_avals[nc : nc + nk], init)
+    carry_infos = [Info(len(np.shape(v)), False, False) for v in init]
+    x_infos = [
+        Info(len(np.shape(x)) - 1, i.param, False)
+        for x, i in zip(xs, infos[nc + nk :], strict=True)
+    ]
+    body_infos = [*infos[:nc], *carry_infos, *x_infos]
+
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs, _ = it.eval_closed(body, [*consts, *carry, *x], body_infos)
+        return [cast(o, d) for o, d in zip(outs[:nk], dts, strict=True)], outs[nk:]
+
+    carry, ys = lax.scan(
+        step,
+        [cast(v, d) for v, d in zip(init, dts, strict=True)],
+        list(xs),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p.get("unroll", 1),
+    )
+    outs = [*carry, *ys]
+    return outs, _default_infos(outs)
+
+
+def _while(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    p = eqn.params
+    if not _has(p, "cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"):
+        return None
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = vals[:cn], vals[cn : cn + bn], vals[cn + bn :]
+    cinfos, binfos = infos[:cn], infos[cn : cn + bn]
+    dts = _carry_dtypes(p["body_jaxpr"].in_avals[bn:], init)
+    carry_infos = [Info(len(np.shape(v)), False, False) for v in init]
+
+    def cond(carry: list[Any]) -> Any:
+        outs, _ = it.eval_closed(
+            p["cond_jaxpr"], [*cconsts, *carry], [*cinfos, *carry_infos]
+        )
+        return outs[0]
+
+    def body(carry: list[Any]) -> list[Any]:
+        outs, _ = it.eval_closed(
+            p["body_jaxpr"], [*bconsts, *carry], [*binfos, *carry_infos]
+        )
+        return [cast(o, d) for o, d in zip(outs, dts, strict=True)]
+
+    outs = lax.while_loop(
+        cond, body, [cast(v, d) for v, d in zip(init, dts, strict=True)]
+    )
+    return list(outs), _default_infos(outs)
+
+
+def _cond(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    if not _has(eqn.params, "branches"):
+        return None
+    index, ops = vals[0], vals[1:]
+    branches = [_retrace(it, b, ops, infos[1:])[0] for b in eqn.params["branches"]]
+    dts = []
+    for avals in zip(*(b.out_avals for b in branches), strict=True):
+        ds = [a.dtype for a in avals]
+        dts.append(widest(ds) if all(map(is_castable, ds)) else ds[0])
+
+    def run(closed: Any) -> Callable[..., list[Any]]:
+        def branch(*xs: Any) -> list[Any]:
+            outs = jcore.jaxpr_as_fun(closed)(*xs)
+            return [cast(o, d) for o, d in zip(outs, dts, strict=True)]
+
+        return branch
+
+    outs = lax.switch(index, [run(b) for b in branches], *ops)
+    return list(outs), _default_infos(outs)
+
+
+def _tangent_zeros(primal: Any) -> Any:
+    if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
+        return jax.numpy.zeros_like(primal)
+    return np.zeros(np.shape(primal), jax.dtypes.float0)
+
+
+def _custom_jvp(
+    it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
+) -> Result:
+    p = eqn.params
+    jvp_fun = p.get("jvp_jaxpr_fun", p.get("jvp_jaxpr_thunk"))
+    if jvp_fun is None or not _has(p, "call_jaxpr", "num_consts"):
+        return None
+    call, nc = p["call_jaxpr"], p["num_consts"]
+    consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
+
+    def impl(*xs: Any) -> list[Any]:
+        return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
+
+    def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        jaxpr, jconsts, out_zeros = jvp_fun.call_wrapped(*[False] * len(xs))
+        outs, _ = it.eval_jaxpr(jaxpr, jconsts, [*xs, *ts], [*pinfos, *pinfos])
+        n = len(out_zeros)
+        ref = jax.eval_shape(impl, *xs)  # the primal function's output dtypes
+        out_p = [cast(o, r.dtype) for o, r in zip(outs[:n], ref, strict=True)]
+        nonzero = iter(outs[n:])
+        out_t = [
+            _tangent_zeros(o) if z else _like_tangent(next(nonzero), o)
+            for o, z in zip(out_p, out_zeros, strict=True)
+        ]
+        return out_p, out_t
+
+    fn = jax.custom_jvp(impl)
+    fn.defjvp(jvp)
+    outs = fn(*primals)
+    return list(outs), _default_infos(outs)
+
+
+def _like_tangent(t: Any, primal: Any) -> Any:
+    if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
+        return cast(t, dtype_of(primal))
+    return t
+
+
+def _instantiate(ct: Any) -> Any:
+    from jax._src import ad_util
+    from jax._src.interpreters import ad
+
+    return ad.instantiate_zeros(ct) if isinstance(ct, ad_util.Zero) else ct
+
+
+def _ct_aval(aval: Any) -> Any:
+    to_ct = getattr(aval, "to_ct_aval", None) or aval.to_tangent_aval
+    return to_ct()
+
+
+def _custom_vjp(
+    it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
+) -> Result:
+    p = eqn.params
+    keys = ("call_jaxpr", "num_consts", "fwd_jaxpr_thunk", "bwd", "out_trees")
+    if not _has(p, *keys):
+        return None
+    call, nc = p["call_jaxpr"], p["num_consts"]
+    fwd_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
+    consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
+    in_dtypes = [dtype_of(x) for x in primals]
+    box: dict[str, Any] = {}
+
+    def impl(*xs: Any) -> list[Any]:
+        return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
+
+    def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
+        jaxpr, fconsts = fwd_thunk.call_wrapped(*[True] * len(xs))
+        outs, _ = it.eval_jaxpr(jaxpr, fconsts, xs, pinfos)
+        out_tree, _, forwards = out_trees()
+        n_res = len(outs) - out_tree.num_leaves
+        inputs, own = [*consts, *xs], iter(outs[:n_res])
+        res_avals, own_avals = [], iter(a for a in _out_avals(jaxpr)[:n_res])
+        res = []
+        for f in forwards:
+            res.append(inputs[f] if f is not None else next(own))
+            res_avals.append(call.in_avals[f] if f is not None else next(own_avals))
+        box["res_avals"] = res_avals
+        ref = jax.eval_shape(impl, *xs)
+        prim = [cast(o, r.dtype) for o, r in zip(outs[n_res:], ref, strict=True)]
+        return prim, res
+
+    def bwd_rule(res: list[Any], cts: list[Any]) -> tuple[Any, ...]:
+        ct_avals = [_ct_aval(a) for a in call.out_avals]
+
+        def run_bwd(*args: Any) -> list[Any]:
+            return [_instantiate(c) for c in bwd.call_wrapped(*args)]
+
+        closed = trace(run_bwd, [*box["res_avals"], *ct_avals])
+        outs, _ = it.eval_closed(closed, [*res, *cts])
+        return tuple(
+            cast(c, d) if jax.numpy.issubdtype(d, jax.numpy.inexact) else c
+            for c, d in zip(outs, in_dtypes, strict=True)
+        )
+
+    fn = jax.custom_vjp(impl)
+    fn.defvjp(fwd, bwd_rule)
+    outs = fn(*primals)
+    return list(outs), _default_infos(outs)
+
+
+def _out_avals(jaxpr: Any) -> list[Any]:
+    return [v.aval for v in jaxpr.outvars]
+
+
+def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    p = eqn.params
+    keys = ("jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes")
+    if not _has(p, *keys) or not hasattr(jax, "shard_map"):
+        return None
+
+    def body(*xs: Any) -> tuple[Any, ...]:
+        return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
+
+    fn = jax.shard_map(
+        body,
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axis_names=p["newly_manual_axes"],
+        check_vma=p["check_vma"],
+    )
+    outs = fn(*vals)
+    return list(outs), _default_infos(outs)
+
+
+HANDLERS: dict[str, Callable[..., Result]] = {
+    "checkpoint": _remat,
+    "closed_call": _closed_call,
+    "cond": _cond,
+    "core_call": _closed_call,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "jit": _jit,
+    "pjit": _jit,
+    "remat2": _remat,
+    "scan": _scan,
+    "shard_map": _shard_map,
+    "while": _while,
+}

@@ -1,0 +1,424 @@
+"""The jaxpr interpreter behind :func:`jaxscale.autocast`: first-order primitives.
+
+:class:`Interpreter` evaluates a jaxpr equation by equation on the values it is
+given (arrays or tracers of whatever trace is current: ``jit``, ``grad``,
+``vmap``...). For each equation it casts the floating operands as the
+primitive's rule says (:mod:`jaxscale._autocast_rules`) and binds the primitive
+again, so the casts are ordinary ``convert_element_type`` operations that JAX
+differentiates, batches and compiles like hand-written ones.
+
+Next to each value it keeps a little provenance (:class:`Info`) for the two rules
+that are not per-primitive: torch's scalar rule (a rank-0 operand, or one broadcast
+from rank 0, does not decide a promotion) and the bias rule (the float32 vector
+added to a matmul's output runs in the low dtype, as torch's ``linear`` does).
+
+Higher-order primitives are delegated to handlers (:mod:`jaxscale._autocast_hop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
+
+__all__ = [
+    "AutocastWarning",
+    "Info",
+    "Interpreter",
+    "REGION_PREFIX",
+    "bind",
+    "cast",
+    "dtype_of",
+    "is_castable",
+    "trace",
+    "widest",
+]
+
+_F16, _BF16, _F32 = (
+    np.dtype(jax.numpy.dtype(d)) for d in ("float16", "bfloat16", "float32")
+)
+_CASTABLE = frozenset({_F16, _BF16, _F32})
+# Named-scope prefix of regions another autocast owns (an inner autocast, or a
+# function under ``enabled=False``): their equations run as traced.
+REGION_PREFIX = "jxs_autocast"
+Rule = AutocastRule
+
+
+class AutocastWarning(UserWarning):
+    """A part of a function that :func:`jaxscale.autocast` runs as traced.
+
+    Issued at trace time for a higher-order primitive the interpreter cannot
+    rewrite (for example ``pallas_call``, ``custom_linear_solve`` or a ``pmap``
+    inside the function): it runs at the dtypes it was traced with, its floating
+    inputs cast back to them, so the result is right but nothing inside it runs in
+    low precision. Silence it with ``rules={"<primitive>": "traced"}``, or filter
+    it with :mod:`warnings`.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> issubclass(jxs.AutocastWarning, UserWarning)
+      True
+    """
+
+
+class Info(NamedTuple):
+    """What the interpreter knows about where a value came from."""
+
+    src_rank: int  # rank of the array it was broadcast or reshaped from
+    param: bool  # an input or constant of the function, or a view of one
+    lowered: bool  # the output of a "lower" op, possibly reshaped
+
+
+def input_info(x: Any) -> Info:
+    return Info(len(np.shape(x)), True, False)
+
+
+def dtype_of(x: Any) -> Any:
+    return x.dtype
+
+
+def is_castable(dtype: Any) -> bool:
+    return dtype in _CASTABLE
+
+
+def _floating(dtype: Any) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.floating)
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The smallest floating dtype that holds all of ``dtypes``: float16 and
+    bfloat16 give float32, as in JAX's and torch's promotion."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        if d == out:
+            continue
+        if d.itemsize == out.itemsize:
+            out = np.dtype({1: np.float16, 2: np.float32}.get(d.itemsize, np.float64))
+        elif d.itemsize > out.itemsize:
+            out = d
+    return out
+
+
+def cast(x: Any, dtype: np.dtype) -> Any:
+    """``x`` in ``dtype``; NumPy constants (literals) stay NumPy constants."""
+    if dtype_of(x) == dtype:
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x, dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]) -> Any:
+    """``fn`` traced to a ``ClosedJaxpr`` at abstract values ``avals`` (which keep
+    their shardings and varying manual axes, unlike ``ShapeDtypeStruct``)."""
+    from jax._src import api_util
+    from jax._src import linear_util as lu
+    from jax._src.interpreters import partial_eval as pe
+
+    debug = api_util.debug_info("jaxscale.autocast", fn, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(fn, debug_info=debug), list(avals)
+    )
+    return jcore.ClosedJaxpr(jaxpr, consts)
+
+
+def bind(primitive: Any, params: Mapping[str, Any], vals: Sequence[Any]) -> list[Any]:
+    """Bind ``primitive`` on ``vals`` with the parameters of a jaxpr equation, as
+    ``jax.core.eval_jaxpr`` does; always a list of outputs."""
+    params = primitive.get_bind_params(params)
+    if isinstance(params, tuple):  # older jax: (subfuns, params)
+        subfuns, params = params
+        out = primitive.bind(*subfuns, *vals, **params)
+    else:
+        out = primitive.bind(*vals, **params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def _in_owned_region(eqn: Any) -> bool:
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return any(str(getattr(s, "name", "")).startswith(REGION_PREFIX) for s in stack)
+
+
+def _has_subcomputations(params: Mapping[str, Any]) -> bool:
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jcore.Jaxpr | jcore.ClosedJaxpr) or hasattr(
+                v, "call_wrapped"
+            ):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _source_of(eqn: Any):
+    """Emit under ``eqn``'s name stack and traceback (as ``jax.core.eval_jaxpr``
+    does), so profiles and errors point at the user's code."""
+    try:
+        from jax._src import source_info_util as siu
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    names = siu.current_name_stack() + eqn.source_info.name_stack
+    ctx = getattr(eqn.ctx, "manager", None) or contextlib.nullcontext()
+    with siu.user_context(eqn.source_info.traceback, name_stack=names), ctx:
+        yield
+
+
+# Provenance: which primitives pass a value's origin through.
+_SAME_SOURCE = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "copy", "device_put", "pvary"}
+    | {"reshape", "reshard", "sharding_constraint", "squeeze", "stop_gradient"}
+    | {"transpose"}
+)
+_SAME_PARAM = _SAME_SOURCE | {"dynamic_slice", "gather", "rev", "slice"}
+_SAME_LOWERED = frozenset(
+    {"copy", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
+    | {"transpose"}
+)
+
+
+def _nonunit(shape: Sequence[int]) -> list[int]:
+    return [d for d in shape if d != 1]
+
+
+class Interpreter:
+    """Evaluates jaxprs with per-primitive dtype rules (see :func:`autocast`)."""
+
+    def __init__(
+        self,
+        dtype: np.dtype,
+        table: Mapping[str, AutocastRule],
+        handlers: Mapping[str, Callable[..., Any]],
+    ):
+        self.dtype = dtype
+        self.table = table
+        self.handlers = handlers
+        # Casts made in the jaxpr being evaluated, so that a value used by several
+        # equations is cast once: id -> (value, dtype, cast value).
+        self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+
+    def cast(self, x: Any, dtype: np.dtype) -> Any:
+        if dtype_of(x) == dtype:
+            return x
+        key = (id(x), np.dtype(dtype))
+        hit = self._casts.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = cast(x, dtype)
+        self._casts[key] = (x, out)
+        return out
+
+    # -- jaxprs -----------------------------------------------------------------
+
+    def eval_closed(
+        self, closed: Any, args: Sequence[Any], infos: Sequence[Info] | None = None
+    ) -> tuple[list[Any], list[Info]]:
+        return self.eval_jaxpr(closed.jaxpr, closed.consts, args, infos)
+
+    def _eval(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        infos: Sequence[Info] | None,
+    ) -> tuple[list[Any], list[Info]]:
+        env: dict[Any, tuple[Any, Info]] = {}
+        for var, c in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = (c, input_info(c))
+        if infos is None:
+            infos = [input_info(a) for a in args]
+        for var, a, i in zip(jaxpr.invars, args, infos, strict=True):
+            env[var] = (a, i)
+
+        def read(atom: Any) -> tuple[Any, Info]:
+            if isinstance(atom, jcore.Literal):
+                val = atom.val
+                if not isinstance(val, jax.Array):
+                    val = np.asarray(val, atom.aval.dtype)
+                return val, Info(len(np.shape(val)), False, False)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            pairs = [read(v) for v in eqn.invars]
+            vals = [p[0] for p in pairs]
+            in_infos = [p[1] for p in pairs]
+            with _source_of(eqn):
+                outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
+            for var, o, i in zip(eqn.outvars, outs, out_infos, strict=True):
+                env[var] = (o, i)
+        results = [read(v) for v in jaxpr.outvars]
+        return [r[0] for r in results], [r[1] for r in results]
+
+    def eval_jaxpr(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        infos: Sequence[Info] | None = None,
+    ) -> tuple[list[Any], list[Info]]:
+        saved, self._casts = self._casts, {}  # one cache per trace level
+        try:
+            return self._eval(jaxpr, consts, args, infos)
+        finally:
+            self._casts = saved
+
+    # -- one equation -----------------------------------------------------------
+
+    def eval_eqn(
+        self, eqn: Any, vals: list[Any], infos: list[Info]
+    ) -> tuple[list[Any], list[Info]]:
+        name = eqn.primitive.name
+        rule = self.table.get(name)
+        if _in_owned_region(eqn):
+            rule = Rule.TRACED
+        if name in HIGHER_ORDER and rule is not Rule.TRACED:
+            handler = self.handlers.get(name)
+            result = handler(self, eqn, vals, infos) if handler else None
+            if result is not None:
+                return result
+            self.warn(name, "its parameters are not the ones this version expects")
+            rule = Rule.TRACED
+        if rule is None:
+            if _has_subcomputations(eqn.params):
+                self.warn(name, "autocast does not know this higher-order primitive")
+            rule = Rule.TRACED
+        traced = [v.aval.dtype for v in eqn.invars]
+        if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
+            return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
+        vals = self.cast_operands(rule, vals, infos, traced)
+        params = self.adjust_params(rule, eqn, vals, traced)
+        outs = bind(eqn.primitive, params, vals)
+        return outs, self.out_infos(rule, name, eqn, infos, outs)
+
+    def warn(self, name: str, why: str) -> None:
+        warnings.warn(
+            f"jxs.autocast runs `{name}` as traced ({why}): its floating inputs are "
+            "cast back to the dtypes they were traced with, and nothing inside it "
+            f"runs in {self.dtype.name}. Pass `rules={{{name!r}: 'traced'}}` to "
+            "silence this.",
+            AutocastWarning,
+            stacklevel=2,
+        )
+
+    def cast_operands(
+        self,
+        rule: AutocastRule,
+        vals: list[Any],
+        infos: list[Info],
+        traced: list[np.dtype],
+    ) -> list[Any]:
+        if rule is Rule.KEEP:
+            return vals
+        if rule is Rule.TRACED:
+            return [
+                self.cast(v, t) if _floating(dtype_of(v)) and _floating(t) else v
+                for v, t in zip(vals, traced, strict=True)
+            ]
+        if rule is Rule.LOWER or rule is Rule.FLOAT32:
+            target = self.dtype if rule is Rule.LOWER else _F32
+            vals = [
+                self.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals
+            ]
+        elif rule is Rule.BIAS and self._is_bias_add(vals, infos):
+            vals = [self.cast(v, self.dtype) for v in vals]
+        return self._promote(vals, infos, traced)
+
+    def _is_bias_add(self, vals: list[Any], infos: list[Info]) -> bool:
+        """``low + bias`` or ``low - bias`` (either order): ``low`` in ``dtype``
+        from a "lower" op, ``bias`` a castable wider parameter of rank <= 1,
+        broadcast or reshaped."""
+        if len(vals) != 2:
+            return False
+        for low, bias, lo_i, b_i in ((*vals, *infos), (*vals[::-1], *infos[::-1])):
+            if (
+                dtype_of(low) == self.dtype
+                and lo_i.lowered
+                and is_castable(dtype_of(bias))
+                and dtype_of(bias).itemsize > self.dtype.itemsize
+                and b_i.param
+                and b_i.src_rank <= 1
+            ):
+                return True
+        return False
+
+    def _promote(
+        self, vals: list[Any], infos: list[Info], traced: list[np.dtype]
+    ) -> list[Any]:
+        """Operands that were traced with one floating dtype (so the primitive needs
+        them equal) and now differ go to the widest; scalars decide only if all are
+        scalars (torch's rule for zero-dimensional tensors)."""
+        groups: dict[np.dtype, list[int]] = {}
+        for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
+            if _floating(dtype_of(v)) and _floating(t):
+                groups.setdefault(np.dtype(t), []).append(i)
+        out = list(vals)
+        for idx in groups.values():
+            if len({dtype_of(vals[i]) for i in idx}) < 2:
+                continue
+            deciding = [i for i in idx if infos[i].src_rank > 0] or idx
+            target = widest([dtype_of(vals[i]) for i in deciding])
+            for i in idx:
+                out[i] = self.cast(vals[i], target)
+        return out
+
+    def adjust_params(
+        self, rule: AutocastRule, eqn: Any, vals: list[Any], traced: list[np.dtype]
+    ) -> Mapping[str, Any]:
+        params = eqn.params
+        pref = params.get("preferred_element_type")
+        if rule is not Rule.TRACED and pref is not None:
+            floats = [t for t in traced if _floating(t)]
+            if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
+                new = [dtype_of(v) for v in vals if _floating(dtype_of(v))]
+                params = dict(params, preferred_element_type=new[0])
+        update = params.get("update_jaxpr")
+        if update is not None and dtype_of(vals[0]) != traced[0]:
+            # scatter-add & co. carry their combiner typed at the traced dtype.
+            aval = jax.core.ShapedArray((), dtype_of(vals[0]))
+            consts = params.get("update_consts", ())
+
+            def combiner(a: Any, b: Any) -> list[Any]:
+                return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(update, consts))(a, b)
+
+            new_update = trace(combiner, [aval, aval])
+            params = dict(
+                params,
+                update_jaxpr=new_update.jaxpr,
+                update_consts=tuple(new_update.consts),
+            )
+        return params
+
+    def out_infos(
+        self,
+        rule: AutocastRule,
+        name: str,
+        eqn: Any,
+        infos: list[Info],
+        outs: list[Any],
+    ) -> list[Info]:
+        result = []
+        for out in outs:
+            shape = np.shape(out)
+            src, param, lowered = len(shape), False, False
+            if infos and name in _SAME_SOURCE:
+                first = infos[0]
+                same_rank = name != "reshape" or _nonunit(
+                    eqn.invars[0].aval.shape
+                ) == _nonunit(shape)
+                src = first.src_rank if same_rank else src
+            if infos and name in _SAME_PARAM:
+                param = infos[0].param
+            if infos and name in _SAME_LOWERED:
+                lowered = infos[0].lowered
+            if rule is Rule.LOWER:
+                lowered = dtype_of(out) == self.dtype
+            result.append(Info(min(src, len(shape)), param, lowered))
+        return result

@@ -1,0 +1,366 @@
+"""The per-primitive dtype rules of :func:`jaxscale.autocast`: the public table.
+
+Every first-order JAX primitive that takes floating operands is in one of five
+classes (:class:`AutocastRule`); a primitive that is not in the table runs at the
+dtypes it was traced with. The classes follow torch's autocast lists for CUDA
+(``aten/src/ATen/autocast_mode.cpp``), translated from torch's ops to the JAX
+primitives they lower to; ``docs/autocast.md`` lists the table op by op with the
+decisions that differ from torch's CUDA and CPU lists, and why.
+
+Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``, ``checkpoint``,
+``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``, ``closed_call``) are not
+in the table: the interpreter recurses into them. The only rule they accept as an
+override is ``"traced"`` (run the whole sub-computation as traced).
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "AutocastRule",
+    "HIGHER_ORDER",
+    "autocast_rules",
+    "resolve_rules",
+]
+
+
+class AutocastRule(enum.StrEnum):
+    """The dtype rule classes of :func:`jaxscale.autocast`, one per primitive.
+
+    The members are strings, so ``rules={"exp": "keep"}`` and
+    ``rules={"exp": jxs.AutocastRule.KEEP}`` mean the same. In the descriptions,
+    *castable* values are those of dtype float16, bfloat16 or float32; float64
+    (under x64), the float8 types, integers, booleans, complex numbers and PRNG
+    keys are never cast, as in torch.
+
+    - ``LOWER`` (``"lower"``): castable operands are cast to the autocast
+      ``dtype``, and so is the output (``preferred_element_type`` is reset to
+      ``dtype`` where it was the operands' dtype). The backward pass of the op then
+      runs in ``dtype`` too. ``dot_general``, ``conv_general_dilated``,
+      ``ragged_dot_general``: torch's ``lower_precision_fp`` list.
+    - ``FLOAT32`` (``"float32"``): castable operands are cast to float32 and the
+      output is float32: ``exp``, ``log``, ``pow``, ``rsqrt``, special functions,
+      sums and products (``reduce_sum``, ``cumsum``, ...), linear algebra and FFTs:
+      torch's ``fp32`` lists.
+    - ``PROMOTE`` (``"promote"``): for primitives whose floating operands must share
+      a dtype (``mul``, ``max``, ``select_n``, ``concatenate``, ``scatter``, ...):
+      when autocast has made them differ, all are cast to the widest of them
+      (float16 with bfloat16 gives float32). As in torch's type promotion, a scalar
+      operand (rank 0, a Python number, or an array broadcast from one, such as
+      ``jnp.zeros(shape)``) only decides the dtype when every operand is a scalar:
+      ``x16 * 2.0`` stays float16.
+    - ``BIAS`` (``"bias"``): ``add`` and ``sub``. ``PROMOTE``, except that the
+      output of a ``LOWER`` op (possibly reshaped) plus or minus a float32 value
+      broadcast from a vector or a scalar (a bias) runs in ``dtype``, as torch's
+      ``linear`` and ``conv`` include their bias. ``x @ w + y`` with a full-shape
+      float32 ``y`` is float32, as in torch.
+    - ``KEEP`` (``"keep"``): run at the operands' current dtypes, nothing cast:
+      unary elementwise ops (``tanh``, ``logistic``, ``sqrt``, ...), shape ops,
+      ``reduce_max``, ``sort``, collectives. An explicit ``convert_element_type`` in
+      the function is kept as written; one that was a no-op when traced (a
+      weak-type change) stays a no-op.
+    - ``TRACED`` (``"traced"``): castable operands are cast back to the dtypes they
+      had when the function was traced, so the primitive runs exactly as written.
+      Primitives missing from the table get this rule, so do regions under
+      ``jxs.autocast(f, enabled=False)``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> jxs.AutocastRule("float32") is jxs.AutocastRule.FLOAT32
+      True
+      >>> str(jxs.AutocastRule.LOWER)
+      'lower'
+    """
+
+    LOWER = "lower"
+    FLOAT32 = "float32"
+    PROMOTE = "promote"
+    BIAS = "bias"
+    KEEP = "keep"
+    TRACED = "traced"
+
+
+_LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")
+
+_FLOAT32 = (
+    # Exponentials, logarithms, powers (torch CUDA: exp, expm1, log, log10, log2,
+    # log1p, pow, reciprocal, rsqrt). ``integer_pow`` and ``square`` are torch's pow.
+    "exp",
+    "exp2",
+    "expm1",
+    "integer_pow",
+    "log",
+    "log1p",
+    "pow",
+    "rsqrt",
+    "square",
+    # Trigonometric and hyperbolic functions of torch's CUDA fp32 list.
+    "acos",
+    "asin",
+    "cosh",
+    "sinh",
+    "tan",
+    # Special functions (torch CUDA: erfinv; the others are series and asymptotic
+    # expansions with float32 constants). Not erf and erfc: they are GELU's.
+    "bessel_i0e",
+    "bessel_i1e",
+    "digamma",
+    "erf_inv",
+    "igamma",
+    "igamma_grad_a",
+    "igammac",
+    "lgamma",
+    "polygamma",
+    "random_gamma_grad",
+    "regularized_incomplete_beta",
+    "zeta",
+    # Sums and products (torch CUDA: sum, prod, cumsum, cumprod, logsumexp).
+    "cumlogsumexp",
+    "cumprod",
+    "cumsum",
+    "reduce_prod",
+    "reduce_sum",
+    # Linear algebra and FFTs (torch: linalg_*, fft_*, cholesky, ...).
+    "cholesky",
+    "cholesky_update",
+    "eig",
+    "eigh",
+    "fft",
+    "geqp3",
+    "geqrf",
+    "hessenberg",
+    "householder_product",
+    "lu",
+    "ormqr",
+    "qr",
+    "schur",
+    "svd",
+    "symmetric_product",
+    "triangular_solve",
+    "tridiagonal",
+    "tridiagonal_solve",
+)
+
+_PROMOTE = (
+    "add_any",
+    "atan2",
+    "clamp",
+    "complex",
+    "concatenate",
+    "div",
+    "dynamic_update_slice",
+    "eq",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "nextafter",
+    "pad",
+    "rem",
+    "scatter",
+    "scatter-add",
+    "scatter-max",
+    "scatter-min",
+    "scatter-mul",
+    "scatter-sub",
+    "select_and_gather_add",
+    "select_and_scatter_add",
+    "select_n",
+)
+
+_BIAS = ("add", "sub")
+
+_KEEP = (
+    # Unary elementwise ops that torch runs in the input's dtype.
+    "abs",
+    "acosh",
+    "asinh",
+    "atan",
+    "atanh",
+    "cbrt",
+    "ceil",
+    "conj",
+    "cos",
+    "erf",
+    "erfc",
+    "floor",
+    "imag",
+    "is_finite",
+    "logistic",
+    "neg",
+    "real",
+    "reduce_precision",
+    "round",
+    "sign",
+    "sin",
+    "sqrt",
+    "tanh",
+    # Casts, shapes and data movement.
+    "broadcast_in_dim",
+    "convert_element_type",
+    "copy",
+    "dynamic_slice",
+    "gather",
+    "reshape",
+    "rev",
+    "slice",
+    "split",
+    "squeeze",
+    "transpose",
+    # Exact reductions, sorting, selection.
+    "argmax",
+    "argmin",
+    "approx_top_k",
+    "cummax",
+    "cummin",
+    "reduce_max",
+    "reduce_min",
+    "reduce_window_max",
+    "reduce_window_min",
+    "reduce_window_sum",
+    "sort",
+    "top_k",
+    # Identity-like ops, sharding and collectives: the values' dtypes pass through.
+    "all_gather",
+    "all_to_all",
+    "debug_callback",
+    "device_put",
+    "layout_constraint",
+    "optimization_barrier",
+    "pbroadcast",
+    "pmax",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_invariant",
+    "pvary",
+    "reduce_scatter",
+    "reshard",
+    "sharding_constraint",
+    "stop_gradient",
+)
+
+# Run as traced on purpose: bit-level reinterpretation, user callbacks (they get the
+# dtypes they were written for), and reductions with a user-written body.
+_TRACED = (
+    "bitcast_convert_type",
+    "io_callback",
+    "pure_callback",
+    "reduce",
+    "reduce_window",
+    "select_and_scatter",
+)
+
+_DEFAULT: dict[str, AutocastRule] = {
+    **dict.fromkeys(_LOWER, AutocastRule.LOWER),
+    **dict.fromkeys(_FLOAT32, AutocastRule.FLOAT32),
+    **dict.fromkeys(_PROMOTE, AutocastRule.PROMOTE),
+    **dict.fromkeys(_BIAS, AutocastRule.BIAS),
+    **dict.fromkeys(_KEEP, AutocastRule.KEEP),
+    **dict.fromkeys(_TRACED, AutocastRule.TRACED),
+}
+
+# Higher-order primitives the interpreter recurses into ("pjit" is the jit
+# primitive's name before jax 0.7; "checkpoint" and "remat2" are jax.checkpoint's).
+HIGHER_ORDER = frozenset(
+    {
+        "checkpoint",
+        "closed_call",
+        "cond",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "jit",
+        "pjit",
+        "remat2",
+        "scan",
+        "shard_map",
+        "while",
+    }
+)
+
+_ACCEPTED = ", ".join(f"'{r.value}'" for r in AutocastRule)
+
+
+def _rule_of(key: str, value: Any) -> AutocastRule:
+    try:
+        rule = AutocastRule(value)
+    except ValueError:
+        raise ValueError(
+            f"`rules[{key!r}]` must be one of {_ACCEPTED} (or a "
+            f"`jxs.AutocastRule`), got {value!r}."
+        ) from None
+    if key in HIGHER_ORDER and rule is not AutocastRule.TRACED:
+        raise ValueError(
+            f"`rules[{key!r}]`: `{key}` is a higher-order primitive; autocast "
+            f"recurses into it, and the only override it accepts is 'traced' (run "
+            f"it as traced), got {value!r}."
+        )
+    return rule
+
+
+def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[str, AutocastRule]:
+    """The default table with ``rules`` (validated) laid over it."""
+    table = dict(_DEFAULT)
+    if rules is None:
+        return table
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            "`rules` must be a mapping from primitive names (or primitives) to "
+            f"rule names, such as {{'exp': 'keep'}}, got {type(rules).__name__}."
+        )
+    for key, value in rules.items():
+        name = key if isinstance(key, str) else getattr(key, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(
+                "`rules` keys must be primitive names such as 'exp' or primitives "
+                f"such as `jax.lax.exp_p`, got {key!r}."
+            )
+        table[name] = _rule_of(name, value)
+    return table
+
+
+def autocast_rules(
+    rules: Mapping[Any, Any] | None = None,
+) -> Mapping[str, AutocastRule]:
+    """The table :func:`autocast` uses: primitive name to :class:`AutocastRule`.
+
+    The table is the same for float16 and bfloat16, as torch's lists are. A
+    primitive that is not in it (including one you define) runs at the dtypes it
+    was traced with (``"traced"``); higher-order primitives (``jit``, ``scan``,
+    ``while``, ``cond``, ``checkpoint``, custom derivatives, ``shard_map``) are not
+    in it: autocast recurses into them. ``docs/autocast.md`` compares the table
+    with torch's CUDA and CPU lists op by op.
+
+    Args:
+      rules: overrides, as passed to :func:`autocast`: primitive names (or
+        primitives) to rule names (or :class:`AutocastRule` members). They are
+        validated as :func:`autocast` does.
+
+    Returns:
+      A read-only mapping, sorted by primitive name.
+
+    Raises:
+      ValueError: for an unknown rule name, or a rule other than ``"traced"`` for
+        a higher-order primitive.
+      TypeError: if ``rules`` is not a mapping, or a key is neither a name nor a
+        primitive.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> table = jxs.autocast_rules()
+      >>> [str(table[name]) for name in ("dot_general", "exp", "add", "tanh")]
+      ['lower', 'float32', 'bias', 'keep']
+      >>> jxs.autocast_rules({"exp": "keep"})["exp"]
+      <AutocastRule.KEEP: 'keep'>
+    """
+    table = resolve_rules(rules)
+    return types.MappingProxyType(dict(sorted(table.items())))

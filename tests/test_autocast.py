@@ -1,0 +1,379 @@
+"""jxs.autocast: the API, the rule table and the dtype each rule gives.
+
+Constructs (jit, scan, custom derivatives, shard_map...), gradients and training
+are in test_autocast_constructs.py; the comparison with torch.autocast in
+test_autocast_torch.py.
+"""
+
+import functools
+import inspect
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import enable_x64
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import mlir
+
+import jaxscale as jxs
+
+F16, BF16, F32, F64 = (
+    np.dtype(d) for d in ("float16", jnp.bfloat16, "float32", "float64")
+)
+
+W = jax.random.normal(jax.random.key(0), (8, 8)) * 0.3
+X = jax.random.normal(jax.random.key(1), (4, 8))
+B = jax.random.normal(jax.random.key(2), (8,))
+Y = jax.random.normal(jax.random.key(3), (4, 8))
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr and of its sub-jaxprs."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def eqns_named(fun, name, *args):
+    return [e for e in all_eqns(jax.make_jaxpr(fun)(*args)) if e.primitive.name == name]
+
+
+# --------------------------------------------------------------------------- #
+# The table and its validation
+# --------------------------------------------------------------------------- #
+
+
+def test_table_classes():
+    table = jxs.autocast_rules()
+    assert list(table) == sorted(table)
+    lower = {n for n, r in table.items() if r is jxs.AutocastRule.LOWER}
+    assert lower == {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+    for name in ("exp", "log", "log1p", "expm1", "pow", "rsqrt", "reduce_sum"):
+        assert table[name] == "float32", name
+    for name in ("reduce_prod", "cumsum", "cumlogsumexp", "erf_inv", "integer_pow"):
+        assert table[name] == "float32", name
+    for name in (
+        "concatenate",
+        "select_n",
+        "mul",
+        "scatter-add",
+        "dynamic_update_slice",
+    ):
+        assert table[name] == "promote", name
+    assert table["add"] == table["sub"] == "bias"
+    for name in ("tanh", "logistic", "reshape", "reduce_max", "convert_element_type"):
+        assert table[name] == "keep", name
+    assert table["bitcast_convert_type"] == "traced"
+    # Higher-order primitives are recursed into, not looked up.
+    assert not {"jit", "scan", "while", "cond", "custom_jvp_call"} & set(table)
+    with pytest.raises(TypeError):
+        table["exp"] = "keep"  # read-only
+
+
+def test_overrides_by_name_primitive_or_member():
+    table = jxs.autocast_rules(
+        {"exp": "keep", lax.log_p: jxs.AutocastRule.LOWER, "my_op": "promote"}
+    )
+    assert table["exp"] is jxs.AutocastRule.KEEP
+    assert table["log"] is jxs.AutocastRule.LOWER
+    assert table["my_op"] is jxs.AutocastRule.PROMOTE
+    assert jxs.autocast_rules()["exp"] is jxs.AutocastRule.FLOAT32  # not mutated
+
+
+@pytest.mark.parametrize(
+    "rules, error, match",
+    [
+        ({"exp": "half"}, ValueError, r"`rules\['exp'\]` must be one of 'lower', "),
+        (
+            {"scan": "lower"},
+            ValueError,
+            r"`scan` is a higher-order primitive.*'traced'",
+        ),
+        ([("exp", "keep")], TypeError, r"`rules` must be a mapping.*got list"),
+        ({3: "keep"}, TypeError, r"`rules` keys must be primitive names.*got 3"),
+    ],
+)
+def test_bad_rules(rules, error, match):
+    with pytest.raises(error, match=match):
+        jxs.autocast(jnp.exp, rules=rules)
+    with pytest.raises(error, match=match):
+        jxs.autocast_rules(rules)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, "float64", "int16"])
+def test_bad_dtype(dtype):
+    with pytest.raises(ValueError, match=r"`dtype` must be a 16-bit floating dtype"):
+        jxs.autocast(jnp.exp, dtype)
+
+
+def test_bad_fun_and_enabled():
+    with pytest.raises(TypeError, match=r"`fun` must be callable, got int"):
+        jxs.autocast(3)
+    with pytest.raises(TypeError, match=r"`enabled` must be a Python bool, got"):
+        jxs.autocast(jnp.exp, enabled=jnp.array(True))
+
+
+def test_decorator_forms_and_signature():
+    def f(x, w, *, scale=1.0):
+        return (x @ w) * scale
+
+    forms = [
+        jxs.autocast(f),
+        jxs.autocast(dtype=jnp.float16)(f),
+        functools.partial(jxs.autocast, dtype=jnp.bfloat16)(f),
+        jxs.autocast(f, "bfloat16"),
+    ]
+    dtypes = [F16, F16, BF16, BF16]
+    for g, dt in zip(forms, dtypes, strict=True):
+        assert g(X, W, scale=2.0).dtype == dt
+        assert inspect.signature(g) == inspect.signature(f)
+        assert g.__name__ == "f"
+
+
+# --------------------------------------------------------------------------- #
+# What each rule gives (forward dtype, forward value)
+# --------------------------------------------------------------------------- #
+
+IMG = jax.random.normal(jax.random.key(4), (2, 6, 6, 3))
+KER = jax.random.normal(jax.random.key(5), (3, 3, 3, 4)) * 0.3
+
+
+def conv(img, ker):
+    return lax.conv_general_dilated(
+        img, ker, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+CASES = {
+    # lower
+    "matmul": (lambda x, w, b, y: x @ w, F16),
+    "einsum": (lambda x, w, b, y: jnp.einsum("ij,jk->ik", x, w), F16),
+    # float32: on a float16 value (a matmul's output) as on a float32 one
+    "exp": (lambda x, w, b, y: jnp.exp(x @ w), F32),
+    "exp_of_input": (lambda x, w, b, y: jnp.exp(x), F32),
+    "log1p": (lambda x, w, b, y: jnp.log1p(jnp.abs(x @ w)), F32),
+    "square": (lambda x, w, b, y: jnp.square(x @ w), F32),
+    "rsqrt": (lambda x, w, b, y: lax.rsqrt(jnp.abs(x @ w) + 1.0), F32),
+    "sum": (lambda x, w, b, y: jnp.sum(x @ w), F32),
+    "mean": (lambda x, w, b, y: jnp.mean(x @ w, axis=0), F32),
+    "cumsum": (lambda x, w, b, y: jnp.cumsum(x @ w, axis=1), F32),
+    "softmax": (lambda x, w, b, y: jax.nn.softmax(x @ w), F32),
+    "logsumexp": (lambda x, w, b, y: jax.nn.logsumexp(x @ w, axis=1), F32),
+    # keep
+    "tanh": (lambda x, w, b, y: jnp.tanh(x @ w), F16),
+    "max": (lambda x, w, b, y: jnp.max(x @ w, axis=1), F16),
+    "reshape": (lambda x, w, b, y: (x @ w).reshape(-1), F16),
+    "relu": (lambda x, w, b, y: jax.nn.relu(x @ w), F16),
+    "sigmoid": (lambda x, w, b, y: jax.nn.sigmoid(x @ w), F16),
+    "gelu_exact": (lambda x, w, b, y: jax.nn.gelu(x @ w, approximate=False), F16),
+    # promote: scalars do not widen arrays, full-shape float32 operands do
+    "times_python_scalar": (lambda x, w, b, y: (x @ w) * 2.0, F16),
+    "times_rank0_input": (lambda x, w, b, y: (x @ w) * y[0, 0], F16),
+    "where_scalar": (lambda x, w, b, y: jnp.where(x > 0, x @ w, 0.0), F16),
+    "plus_zeros": (lambda x, w, b, y: (x @ w) + jnp.zeros((4, 8)), F16),
+    "times_full": (lambda x, w, b, y: (x @ w) * y, F32),
+    "where_full": (lambda x, w, b, y: jnp.where(x > 0, x @ w, y), F32),
+    "concatenate": (lambda x, w, b, y: jnp.concatenate([x @ w, y]), F32),
+    "maximum_full": (lambda x, w, b, y: jnp.maximum(x @ w, y), F32),
+    # bias: a float32 vector parameter added to a matmul's output
+    "bias": (lambda x, w, b, y: x @ w + b[None], F16),
+    "bias_first": (lambda x, w, b, y: b[None] + x @ w, F16),
+    "bias_sub": (lambda x, w, b, y: x @ w - b[None], F16),
+    "bias_reshaped": (lambda x, w, b, y: x @ w + b.reshape(1, 8), F16),
+    "bias_then_bias": (lambda x, w, b, y: (x @ w + b[None]) + b[None], F32),
+    "full_shape_add": (lambda x, w, b, y: x @ w + y, F32),
+    "computed_vector_add": (lambda x, w, b, y: x @ w + jnp.sin(b)[None], F32),
+    "bias_on_tanh": (lambda x, w, b, y: jnp.tanh(x @ w) + b[None], F32),
+    "vector_times": (lambda x, w, b, y: (x @ w) * b[None], F32),
+    "dense_relu_dense": (
+        lambda x, w, b, y: jax.nn.relu(x @ w + b[None]) @ w + b[None],
+        F16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_dtypes_and_values(name):
+    fn, expected = CASES[name]
+    out = jax.jit(jxs.autocast(fn))(X, W, B, Y)
+    assert out.dtype == expected
+    ref = fn(X, W, B, Y)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_conv_and_its_bias():
+    bias = jnp.arange(4.0)
+    out = jxs.autocast(lambda i, k, b: conv(i, k) + b[None, None, None])(IMG, KER, bias)
+    assert out.dtype == F16
+    ref = conv(IMG, KER) + bias[None, None, None]
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    (c,) = eqns_named(jxs.autocast(conv), "conv_general_dilated", IMG, KER)
+    assert [v.aval.dtype for v in c.invars] == [F16, F16]
+
+
+def test_lower_ops_output_dtype_not_float32_accumulator():
+    (d,) = eqns_named(jxs.autocast(lambda x, w: x @ w), "dot_general", X, W)
+    assert [v.aval.dtype for v in d.invars] == [F16, F16]
+    assert d.params["preferred_element_type"] == F16
+    assert d.outvars[0].aval.dtype == F16
+    # An explicit wider accumulator on low-precision operands is kept.
+    x16 = X.astype(jnp.float16)
+    fn = jxs.autocast(lambda x: lax.dot(x, x.T, preferred_element_type=jnp.float32))
+    assert fn(x16).dtype == F32
+
+
+def test_a_value_used_twice_is_cast_once():
+    converts = eqns_named(
+        jxs.autocast(lambda x, w, v: (x @ w, x @ v)), "convert_element_type", X, W, W
+    )
+    assert len(converts) == 3  # x once, w once, v once
+
+
+def test_explicit_casts_are_kept_and_weak_type_changes_stay_no_ops():
+    out = jxs.autocast(lambda x: jnp.tanh(x.astype(jnp.float16)) * 2.0)(X)
+    assert out.dtype == F16
+
+    def hand_cast(x, w):
+        bf = jnp.bfloat16
+        return (x.astype(bf) @ w.astype(bf)).astype(jnp.float32)
+
+    assert jxs.autocast(hand_cast)(X, W).dtype == F32  # a real cast: kept
+    # A cast to the dtype a value already has when traced is no operation at
+    # all: autocast cannot see it (docs/autocast.md, pitfalls).
+    out = jxs.autocast(lambda x, w: (x @ w).astype(jnp.float32))(X, W)
+    assert out.dtype == F16
+
+    def scan_with_weak_carry(x, w):  # the carry's weak-type strip is a no-op
+        return lax.scan(lambda c, r: (c + jnp.sum(r @ w), c), 0.0, x)
+
+    carry, ys = jxs.autocast(scan_with_weak_carry)(X, W)
+    assert carry.dtype == ys.dtype == F32
+
+
+def test_integers_booleans_keys_and_float64_are_never_cast():
+    def f(x, n, mask, key):
+        noise = jax.random.normal(key, x.shape)
+        return x @ W + noise, n * 2, mask & True, jax.random.split(key)
+
+    key = jax.random.key(0)
+    out = jxs.autocast(f)(X, jnp.arange(3), jnp.ones(3, bool), key)
+    assert [o.dtype for o in out[:3]] == [F32, np.dtype("int32"), np.dtype(bool)]
+    assert jax.dtypes.issubdtype(out[3].dtype, jax.dtypes.prng_key)
+    assert jxs.autocast(lambda k: jax.random.normal(k, (3,)))(key).dtype == F32
+    np.testing.assert_array_equal(
+        jxs.autocast(lambda k: jax.random.uniform(k, (5,)))(key),
+        jax.random.uniform(key, (5,)),
+    )
+    with enable_x64():
+        x64, w64 = X.astype(jnp.float64), W.astype(jnp.float64)
+        assert jxs.autocast(lambda x, w: x @ w)(x64, w64).dtype == F64
+        assert jxs.autocast(lambda x: jnp.exp(x))(x64).dtype == F64
+        assert jxs.autocast(lambda x, w: x @ w)(X, W).dtype == F16
+
+
+def test_outputs_keep_their_computed_dtype_and_structure():
+    def f(params, x, *, training, name):
+        assert training is True and name == "net"  # static: passed as is
+        h = x @ params["w"] + params["b"][None]
+        return {"logits": h, "loss": jnp.mean(h**2), "n": x.shape[0]}
+
+    params = {"w": W, "b": B}
+    out = jxs.autocast(f)(params, X, training=True, name="net")
+    assert set(out) == {"logits", "loss", "n"}
+    assert out["logits"].dtype == F16 and out["loss"].dtype == F32
+    assert int(out["n"]) == 4
+
+
+def test_closures_over_arrays_and_tracers():
+    @jax.jit
+    def outer(w, x):
+        return jxs.autocast(lambda x: jnp.tanh(x @ w + B[None]))(x)  # w is a tracer
+
+    assert outer(W, X).dtype == F16
+    np.testing.assert_allclose(outer(W, X), jnp.tanh(X @ W + B[None]), atol=2e-2)
+
+
+# --------------------------------------------------------------------------- #
+# Regions: enabled=False, nested autocast, overrides
+# --------------------------------------------------------------------------- #
+
+
+def test_enabled_false_runs_at_the_traced_dtypes():
+    exact = jxs.autocast(lambda a, w: jnp.exp(a @ w), enabled=False)
+
+    @jxs.autocast
+    def f(x, w):
+        h = jnp.tanh(x @ w)  # float16
+        return exact(h, w), h @ w
+
+    inner, outer = f(X, W)
+    assert inner.dtype == F32 and outer.dtype == F16
+    dots = eqns_named(f, "dot_general", X, W)
+    assert [d.invars[0].aval.dtype for d in dots] == [F16, F32, F16]
+    # Outside any autocast it changes nothing.
+    np.testing.assert_array_equal(exact(X, W), jnp.exp(X @ W))
+
+
+def test_nested_autocast_uses_its_own_dtype_and_a_reenabled_region_works():
+    inner = jxs.autocast(lambda x, w: x @ w, jnp.bfloat16)
+    off = jxs.autocast(lambda x, w: (x @ w, inner(x, w)), enabled=False)
+
+    @jxs.autocast
+    def f(x, w):
+        return x @ w, inner(x, w), *off(x, w)
+
+    assert [o.dtype for o in f(X, W)] == [F16, BF16, F32, BF16]
+
+
+def test_rules_override_changes_one_primitive():
+    fn = lambda x, w: jnp.exp(x @ w)  # noqa: E731
+    assert jxs.autocast(fn, rules={"exp": "keep"})(X, W).dtype == F16
+    assert jxs.autocast(fn, rules={"dot_general": "float32"})(X, W).dtype == F32
+    assert jxs.autocast(fn, rules={"exp": "traced"})(X, W).dtype == F32
+    out = jxs.autocast(lambda x, w: x @ w + B[None], rules={"add": "promote"})(X, W)
+    assert out.dtype == F32  # no bias rule
+
+
+# A first-order primitive autocast does not know: it runs as traced.
+_double_p = jcore.Primitive("jxs_test_double")
+_double_p.def_impl(lambda x: 2 * x)
+_double_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+mlir.register_lowering(_double_p, mlir.lower_fun(lambda x: 2 * x, False))
+
+
+def test_unknown_primitive_runs_as_traced_or_as_told():
+    def f(x, w):
+        return _double_p.bind(x @ w)
+
+    assert jxs.autocast(f)(X, W).dtype == F32  # input cast back to float32
+    (eqn,) = eqns_named(jxs.autocast(f), "jxs_test_double", X, W)
+    assert eqn.invars[0].aval.dtype == F32
+    assert jxs.autocast(f, rules={"jxs_test_double": "keep"})(X, W).dtype == F16
+    np.testing.assert_allclose(jxs.autocast(f)(X, W), 2 * X @ W, atol=2e-2)
+
+
+def test_unknown_higher_order_primitive_warns_and_runs_as_traced():
+    a = jnp.eye(8) * 3.0 + 0.1
+
+    def f(b):
+        rhs = jnp.tanh(b @ W)  # float16 under autocast
+        return lax.custom_linear_solve(
+            lambda v: a @ v, rhs[0], lambda mv, r: jnp.linalg.solve(a, r)
+        )
+
+    with pytest.warns(
+        jxs.AutocastWarning, match=r"runs `custom_linear_solve` as traced"
+    ):
+        out = jxs.autocast(f)(X)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, f(X), atol=2e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jxs.autocast(f, rules={"custom_linear_solve": "traced"})(X)
