@@ -10,6 +10,10 @@ from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (
     accumulate_value_and_grad as accumulate_value_and_grad,
 )
+from jaxscale._autocast import autocast as autocast
+from jaxscale._autocast_interp import AutocastWarning as AutocastWarning
+from jaxscale._autocast_rules import AutocastRule as AutocastRule
+from jaxscale._autocast_rules import autocast_rules as autocast_rules
 from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
@@ -42,6 +46,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
+    "AutocastRule",
+    "AutocastWarning",
     "CompositionWarning",
     "DynamicLossScale",
     "DynamicScalingState",
@@ -55,6 +61,8 @@ __all__ = [
     "accumulate",
     "accumulate_value_and_grad",
     "all_finite",
+    "autocast",
+    "autocast_rules",
     "cast_floating",
     "clip_by_global_norm",
     "dynamic_scaling",

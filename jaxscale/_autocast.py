@@ -138,11 +138,11 @@ def autocast(
       >>> import jaxscale as jxs
       >>> import jax, jax.numpy as jnp
       >>> def mlp(params, x):
-      ...     h = jax.nn.relu(x @ params["w1"] + params["b1"])
+      ...     h = jax.nn.relu(x @ params["w1"] + params["b1"][None])
       ...     return jax.nn.log_softmax(h @ params["w2"])
       >>> params = {"w1": jnp.ones((4, 8)), "b1": jnp.zeros(8), "w2": jnp.ones((8, 3))}
       >>> x = jnp.ones((2, 4))
-      >>> h16 = jxs.autocast(lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"]))
+      >>> h16 = jxs.autocast(lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"][None]))
       >>> h16(params, x).dtype  # matmul, bias add and relu in float16
       dtype('float16')
       >>> jxs.autocast(mlp)(params, x).dtype  # log_softmax in float32
