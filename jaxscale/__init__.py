@@ -18,6 +18,10 @@ from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
 from jaxscale._composition import CompositionWarning as CompositionWarning
+from jaxscale._cotangents import CotangentStats as CotangentStats
+from jaxscale._cotangents import cotangent_probe as cotangent_probe
+from jaxscale._cotangents import cotangent_report as cotangent_report
+from jaxscale._cotangents import cotangent_table as cotangent_table
 from jaxscale._diagnostics import UnderflowReport as UnderflowReport
 from jaxscale._diagnostics import layer_norms as layer_norms
 from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
@@ -49,6 +53,7 @@ __all__ = [
     "AutocastRule",
     "AutocastWarning",
     "CompositionWarning",
+    "CotangentStats",
     "DynamicLossScale",
     "DynamicScalingState",
     "LossScale",
@@ -65,6 +70,9 @@ __all__ = [
     "autocast_rules",
     "cast_floating",
     "clip_by_global_norm",
+    "cotangent_probe",
+    "cotangent_report",
+    "cotangent_table",
     "dynamic_scaling",
     "from_torch_state_dict",
     "global_norm",

@@ -247,6 +247,20 @@ def _half_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
+def cast_masks(xf: jax.Array, dt: Any, scale: Any = None) -> tuple[jax.Array, ...]:
+    """Where float32 ``xf`` (times ``scale``) cast to ``dt`` is (zero, subnormal, inf).
+
+    Elements already zero, ``inf`` or ``NaN`` in ``xf`` never count as flushed to
+    zero or overflowed.
+    """
+    y = (xf if scale is None else xf * scale).astype(dt).astype(_F32)
+    candidate = (xf != 0) & jnp.isfinite(xf)
+    z = candidate & (y == 0)
+    sub = (y != 0) & (jnp.abs(y) < float(jnp.finfo(dt).smallest_normal))
+    over = candidate & ~jnp.isfinite(y)
+    return z, sub, over
+
+
 def _scale_value(loss_scale: Any) -> jax.Array:
     if loss_scale is None:
         return jnp.ones((), _F32)
@@ -345,14 +359,6 @@ def underflow_report(
     counts = {k: zero for k in ("z0", "s0", "z", "s", "o")}
     max_abs, min_nz = zero, jnp.full((), jnp.inf, _F32)
 
-    def classify(xf, s):
-        y = (xf * s).astype(dt).astype(_F32)
-        candidate = (xf != 0) & jnp.isfinite(xf)
-        z = candidate & (y == 0)
-        sub = (y != 0) & (jnp.abs(y) < tiny)
-        over = candidate & ~jnp.isfinite(y)
-        return z, sub, over
-
     def count(mask):
         return jnp.sum(mask, dtype=jnp.int32).astype(_F32)
 
@@ -361,8 +367,8 @@ def underflow_report(
         if x.size == 0:
             continue
         xf = x.astype(_F32)
-        z0, s0, _ = classify(xf, one)
-        z, s, o = classify(xf, scale)
+        z0, s0, _ = cast_masks(xf, dt, one)
+        z, s, o = cast_masks(xf, dt, scale)
         for key, mask in zip("z0 s0 z s o".split(), (z0, s0, z, s, o), strict=True):
             counts[key] = counts[key] + count(mask)
         a = jnp.abs(xf)

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -305,8 +306,19 @@ def test_policy_with_loss_scaling_gives_param_dtype_gradients():
     assert new["w1"].dtype == F32
 
 
-@pytest.mark.skipif(not hasattr(jxs, "autocast"), reason="jxs.autocast not yet here")
+def _dot_dtypes(jaxpr):
+    """Operand dtypes of every dot_general in a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_dtypes(sub)
+    return found
+
+
 def test_policy_composes_with_autocast():
+    """Policy at the boundary (f32 params and output), autocast per op (f16 dots)."""
     policy = jxs.Policy.from_string("params=float32,compute=float16,output=float32")
     params = {"w1": jnp.ones((3, 8)) / 3, "b1": jnp.zeros(8), "w2": jnp.ones((8, 1))}
     x = jnp.ones((4, 3))
@@ -316,6 +328,8 @@ def test_policy_composes_with_autocast():
         return policy.cast_to_output(f(policy.cast_to_param(params), x))
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, x)
+    dots = _dot_dtypes(jax.make_jaxpr(loss_fn)(params, x).jaxpr)
+    assert dots and set(dots) == {("float16", "float16")}
     assert loss.dtype == F32
     assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
     np.testing.assert_allclose(loss, _mlp(params, x), rtol=1e-2)
@@ -329,7 +343,5 @@ def test_guide_snippets_run():
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
     assert blocks
     for block in blocks:
-        if "autocast" in block and not hasattr(jxs, "autocast"):
-            continue
         with jax.numpy_rank_promotion("allow"):  # the guide's `x @ w + b`
             exec(compile(block, "docs/policy.md", "exec"), {})
