@@ -240,6 +240,12 @@ def accumulate_value_and_grad(
     the result equals :func:`value_and_grad` on the whole batch up to float
     rounding.
 
+    Flax NNX modules and ``nnx.Rngs`` are passed as to :func:`value_and_grad`;
+    their state other than the differentiated parameters (BatchNorm statistics,
+    RNG counts) is carried from one micro-batch to the next (a fresh dropout
+    mask for each) and written back at the end. They are never part of the
+    batch.
+
     Args:
       fun: the loss function; returns a scalar, or ``(scalar, aux)`` with
         ``has_aux=True``.
@@ -251,9 +257,10 @@ def accumulate_value_and_grad(
         into ``k`` micro-batches of ``B // k``, in order.
       argnums: which positional argument(s) to differentiate, as in JAX.
       batch_argnums: which positional arguments hold the batch (every leaf is
-        split); default: every positional argument not in ``argnums``. Keyword
-        arguments and the other positional arguments are passed to each
-        micro-step unchanged (put per-micro-batch PRNG keys in the batch).
+        split); default: every positional argument not in ``argnums`` and not
+        an NNX object. Keyword arguments and the other positional arguments
+        are passed to each micro-step unchanged (put per-micro-batch PRNG keys
+        in the batch, or pass an ``nnx.Rngs``).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
@@ -296,10 +303,20 @@ def accumulate_value_and_grad(
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         idx = (
-            tuple(i for i in range(len(args)) if i not in diff)
+            tuple(
+                i
+                for i in range(len(args))
+                if i not in diff and not _nnx.is_object(args[i])
+            )
             if batch is None
             else batch
         )
+        if any(i < len(args) and _nnx.is_object(args[i]) for i in idx):
+            raise ValueError(
+                "`batch_argnums` must name arguments holding arrays to split into "
+                f"micro-batches, got {batch_argnums!r}, which names a Flax NNX "
+                "object; pass modules and `nnx.Rngs` outside `batch_argnums`."
+            )
         if not idx or max(idx) >= len(args):
             raise ValueError(
                 "`batch_argnums` must name positional arguments holding the batch, "
@@ -341,22 +358,22 @@ def accumulate_value_and_grad(
     def _grad_call(args: tuple[Any, ...], kwargs: dict[str, Any]):
         """``(call, carry0, finish)``: one micro-batch's ``(out, grads, carry)``.
 
-        Plain arguments: ``carry`` is unused. Flax NNX modules at the
-        differentiated positions are split once, outside the scan; their
-        non-parameter state (BatchNorm statistics, RNG counts) is the carry, so
-        it advances micro-batch by micro-batch, and ``finish`` writes it back.
+        Plain arguments: ``carry`` is unused. Flax NNX objects among the
+        arguments (modules, ``nnx.Rngs``) are split once, outside the scan;
+        their state other than the differentiated parameters (BatchNorm
+        statistics, RNG counts) is the carry, so it advances micro-batch by
+        micro-batch, and ``finish`` writes it back into the objects.
         """
-        positions = _nnx.module_positions(args, diff)
-        if not positions:
+        if not _nnx.has_objects(args, kwargs):
 
             def plain(full, carry):
                 out, grads = grad_fn(*full, **kwargs)
                 return out, grads, carry
 
             return plain, None, lambda grads, carry: grads
-        split = _nnx.NnxArgs(args, positions, _nnx.default_wrt(loss_scale))
-        call, finish = split.grad_call(fun, ls, has_aux, argnums, kwargs)
-        return call, split.rests, finish
+        split = _nnx.NnxArgs(args, kwargs, argnums, _nnx.default_wrt(loss_scale))
+        call, rest, finish = split.grad_call(fun, ls, has_aux)
+        return lambda full, carry: call(full, kwargs, carry), rest, finish
 
     return wrapped
 

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale import _nnx
 from jaxscale._clip import overflow_safe_norm
-from jaxscale._composition import find_state
+from jaxscale._composition import find_state, is_variable, unwrap_variable
 from jaxscale._hooks import leaf_names, path_name
 from jaxscale._loss_scale import DynamicLossScale, LossScale
 from jaxscale._transform import DynamicScalingState, loss_scale_of
@@ -33,7 +34,19 @@ _MIN_EXP, _MAX_EXP = -126, 127
 
 
 def _scaling_state_of(opt_state: Any, name: str = "opt_state") -> DynamicScalingState:
-    """Finds the one :class:`DynamicScalingState` in a nested optimizer state."""
+    """Finds the one :class:`DynamicScalingState` in a nested optimizer state
+    (also in an ``nnx.State``, where ``nnx.split`` has turned it into a
+    mapping)."""
+    if _nnx.is_state(opt_state):
+        found = _nnx.scaling_states(opt_state)
+        if len(found) != 1:
+            raise ValueError(
+                f"`{name}` must hold exactly one jxs.dynamic_scaling state, got "
+                f"{len(found)} in this nnx.State. The state of a model alone "
+                "holds none: pass the state of `nnx.split((model, optimizer))` "
+                "or the `nnx.Optimizer`."
+            )
+        return jax.tree.map(unwrap_variable, found[0][1], is_leaf=is_variable)
     return find_state(opt_state, DynamicScalingState, name)[1]
 
 
@@ -60,7 +73,8 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
 
     Args:
       opt_state: the state of :func:`dynamic_scaling`, or any state (``chain``,
-        ``MultiSteps``, ``TrainState``, ``nnx.Optimizer``) holding exactly one.
+        ``MultiSteps``, ``TrainState``, ``nnx.Optimizer``, or the ``nnx.State``
+        of a functional NNX loop) holding exactly one.
 
     Returns:
       A ``dict`` from the names above to scalar ``jax.Array`` values.

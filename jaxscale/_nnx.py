@@ -1,15 +1,18 @@
-"""Flax NNX modules as arguments of :func:`jaxscale.value_and_grad`.
+"""Flax NNX objects as arguments of :func:`jaxscale.value_and_grad`.
 
 An ``nnx.Module`` is a mutable object, not a pytree of parameters: handed to
 ``jax.value_and_grad`` as it is, its BatchNorm statistics would be
 "differentiated" and their updates dropped, and Dropout's integer RNG counts
-would make JAX refuse the gradient. Here a module in a differentiated position is
-split (``nnx.split``) into the parameters to differentiate (``wrt``, by default
-``nnx.Param``) and the rest (batch statistics, RNG counts, caches), the loss is
-evaluated on a merged copy, the rest comes out as an auxiliary value, and the
-module is updated with it afterwards, as ``nnx.value_and_grad`` does. The
-functional form lets :func:`jaxscale.accumulate_value_and_grad` carry the rest
-through its ``lax.scan`` over micro-batches.
+would make JAX refuse the gradient. Here every NNX object among the arguments
+(a module, an ``nnx.Rngs`` passed to the loss, in any position or keyword) is
+split once, all together (``nnx.split``, so variables they share stay one),
+into the parameters to differentiate (``wrt``, by default ``nnx.Param``, of the
+objects in differentiated positions) and the rest (batch statistics, RNG keys
+and counts, caches, the other objects whole). The loss runs on merged copies,
+the rest comes out as an auxiliary value, and the objects are updated with it
+afterwards, as ``nnx.value_and_grad`` does. The functional form lets
+:func:`jaxscale.accumulate_value_and_grad` carry the rest through its
+``lax.scan`` over micro-batches.
 
 Nothing here imports Flax unless an argument is an NNX object.
 """
@@ -17,128 +20,289 @@ Nothing here imports Flax unless an argument is an NNX object.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
-__all__ = ["NnxArgs", "check_all_modules", "is_module", "module_positions"]
+__all__ = [
+    "NnxArgs",
+    "default_wrt",
+    "has_objects",
+    "is_object",
+    "is_state",
+    "scaling_states",
+    "write_back",
+]
 
 
-def is_module(x: Any) -> bool:
-    """Whether ``x`` is a Flax NNX module (never imports Flax: a module can only
-    exist if the user has imported it)."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)
+def _nnx() -> Any:
+    """``flax.nnx`` if the user has imported it, else ``None`` (an NNX object
+    can only exist if they have)."""
+    return sys.modules.get("flax.nnx")
 
 
-def module_positions(args: Sequence[Any], argnums: Sequence[int]) -> tuple[int, ...]:
-    """The differentiated positions that hold an NNX module."""
-    return tuple(i for i in argnums if i < len(args) and is_module(args[i]))
+def is_object(x: Any) -> bool:
+    """Whether ``x`` is a Flax NNX object (a module, ``nnx.Rngs``, an
+    ``nnx.Optimizer``...): ``nnx.Pytree`` (flax >= 0.12) or ``nnx.Object``."""
+    nnx = _nnx()
+    if nnx is None:
+        return False
+    base = getattr(nnx, "Pytree", None) or nnx.Object
+    return isinstance(x, base)
+
+
+def is_state(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx.State`` (what ``nnx.split`` returns)."""
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, nnx.State)
+
+
+def has_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether any positional or keyword argument is an NNX object.
+
+    Raises:
+      TypeError: if an argument holds an NNX object inside a container (it
+        would go through ``jax.value_and_grad`` as a pytree).
+    """
+    if _nnx() is None:
+        return False
+    named = [*((f"args[{i}]", x) for i, x in enumerate(args)), *kwargs.items()]
+    for name, x in named:
+        if not is_object(x) and any(
+            map(is_object, jax.tree.leaves(x, is_leaf=is_object))
+        ):
+            raise TypeError(
+                f"`{name}` holds a Flax NNX object inside a "
+                f"{type(x).__name__}: pass modules and `nnx.Rngs` as arguments of "
+                "the loss themselves, so that their parameters are differentiated "
+                "and their other state (BatchNorm statistics, RNG counts) is "
+                "updated."
+            )
+    return any(map(is_object, args)) or any(map(is_object, kwargs.values()))
 
 
 def default_wrt(holder: Any) -> Any:
     """The optimizer's ``wrt`` filter if it has one, else ``nnx.Param``."""
     from flax import nnx
 
-    return getattr(holder, "wrt", None) or nnx.Param
+    wrt = getattr(holder, "wrt", None) if is_object(holder) else None
+    return wrt if wrt is not None else nnx.Param
+
+
+def _argnum_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
 class NnxArgs:
-    """The modules at ``positions`` of ``args``, split into params and the rest."""
+    """The NNX objects among ``args`` and ``kwargs``, split into the parameters
+    to differentiate and the rest.
 
-    def __init__(self, args: Sequence[Any], positions: tuple[int, ...], wrt: Any):
+    Either every differentiated position holds an NNX object (their ``wrt``
+    variables are differentiated; the gradients are ``nnx.State``\\ s), or none
+    does (the arrays there are differentiated as by ``jax.value_and_grad``, and
+    the NNX objects elsewhere, e.g. an ``nnx.Rngs``, are carried).
+    """
+
+    def __init__(
+        self,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        argnums: int | Sequence[int],
+        wrt: Any,
+    ):
         from flax import nnx
 
-        self.positions = positions
-        self.modules = {i: args[i] for i in positions}
-        self.defs, self.params, self.rests = {}, {}, {}
-        for i in positions:
-            graphdef, params, rest = nnx.split(args[i], wrt, ...)
-            self.defs[i], self.params[i], self.rests[i] = graphdef, params, rest
-        self.wrt = wrt
+        self.argnums = argnums
+        diff = _argnum_tuple(argnums)
+        self.positions = tuple(i for i, x in enumerate(args) if is_object(x))
+        self.names = tuple(sorted(k for k, v in kwargs.items() if is_object(v)))
+        diff_objects = tuple(i for i in diff if i in self.positions)
+        if diff_objects and diff_objects != diff:
+            raise TypeError(
+                f"`argnums` {diff} mixes Flax NNX objects (at {diff_objects}) with "
+                "other arguments: differentiate either modules (their "
+                "`nnx.Param`s) or pytrees of arrays. Put the arrays in an "
+                "`nnx.Param` of a module, or call `jxs.value_and_grad` on "
+                "`nnx.split` states."
+            )
+        self.diff_objects = diff_objects
+        self.objects = (
+            {i: args[i] for i in self.positions},
+            {k: kwargs[k] for k in self.names},
+        )
+        wanted = nnx.filterlib.to_predicate(wrt)
+
+        def is_param(path: tuple[Any, ...], value: Any) -> bool:
+            return (
+                len(path) > 1
+                and path[0] == 0
+                and path[1] in diff_objects
+                and wanted(path, value)
+            )
+
+        self.is_param = is_param
+        self.graphdef, self.params, self.rest = nnx.split(self.objects, is_param, ...)
 
     def pure(self, fun: Callable[..., Any]) -> Callable[..., Any]:
-        """``fun`` as ``f(params, rests, *args, **kwargs) -> (out, new_rests)``.
-
-        ``params`` and ``rests`` are dicts keyed by position; the modules in
-        ``args`` at those positions are ignored (rebuilt from the states).
-        """
+        """``fun`` as ``f(params, rest, *args, **kwargs) -> (out, new_rest)``;
+        the NNX objects in ``args`` and ``kwargs`` are ignored (rebuilt from
+        the states)."""
         from flax import nnx
 
-        def f(params, rests, *args, **kwargs):
-            full = list(args)
+        def f(params, rest, *args, **kwargs):
+            # Fresh variable objects, created at this trace level, so that the
+            # loss may update statistics and RNG counts here.
+            params, rest = jax.tree.map(lambda x: x, (params, rest))
+            objects = nnx.merge(self.graphdef, params, rest)
+            args, kwargs = list(args), dict(kwargs)
             for i in self.positions:
-                # Fresh variable objects, created at this trace level, so the
-                # module may update its statistics here.
-                p, r = jax.tree.map(lambda x: x, (params[i], rests[i]))
-                full[i] = nnx.merge(self.defs[i], p, r)
-            out = fun(*full, **kwargs)
-            new = {i: nnx.split(full[i], self.wrt, ...)[2] for i in self.positions}
-            return out, new
+                args[i] = objects[0][i]
+            for k in self.names:
+                kwargs[k] = objects[1][k]
+            out = fun(*args, **kwargs)
+            return out, nnx.split(objects, self.is_param, ...)[2]
 
         return f
 
     def grad_call(
-        self,
-        fun: Callable[..., Any],
-        loss_scale: Any,
-        has_aux: bool,
-        argnums: Any,
-        kwargs: dict[str, Any],
-    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """``(call, finish)`` for the scaled loss of ``fun``.
+        self, fun: Callable[..., Any], loss_scale: Any, has_aux: bool
+    ) -> tuple[Callable[..., Any], Any, Callable[..., Any]]:
+        """``(call, rest, finish)`` for the scaled loss of ``fun``.
 
-        ``call(args, rests) -> (out, grads, new_rests)`` differentiates the
-        scaled loss with respect to the modules' parameters, with the modules'
-        other state given as ``rests`` (so a loop can carry it);
-        ``finish(grads, rests)`` writes the final ``rests`` back into the
-        modules and shapes the gradients as ``argnums`` asks.
+        ``call(args, kwargs, rest) -> (out, grads, new_rest)`` differentiates
+        the scaled loss with the objects' other state given as ``rest`` (so a
+        loop can carry it, starting from the ``rest`` returned here);
+        ``finish(grads, rest)`` writes the final ``rest`` back into the
+        objects and shapes the gradients as ``argnums`` asks.
         """
         from jaxscale._transform import value_and_grad
 
         pure = self.pure(fun)
 
-        def pure_aux(params, rests, *a, **kw):
-            out, new_rests = pure(params, rests, *a, **kw)
+        def pure_aux(params, rest, *a, **kw):
+            out, new_rest = pure(params, rest, *a, **kw)
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, new_rests)
+            return loss, (aux, new_rest)
 
-        vg = value_and_grad(pure_aux, loss_scale, argnums=0, has_aux=True)
+        if self.diff_objects:
+            argnums: Any = 0
+        elif isinstance(self.argnums, int):
+            argnums = self.argnums + 2
+        else:
+            argnums = tuple(i + 2 for i in self.argnums)
+        vg = value_and_grad(pure_aux, loss_scale, argnums=argnums, has_aux=True)
 
-        def call(args, rests):
-            stripped = [None if i in self.positions else x for i, x in enumerate(args)]
-            (loss, (aux, new_rests)), grads = vg(
-                self.params, rests, *stripped, **kwargs
+        def call(args, kwargs, rest):
+            args = [None if i in self.positions else x for i, x in enumerate(args)]
+            kwargs = {k: None if k in self.names else v for k, v in kwargs.items()}
+            (loss, (aux, new_rest)), grads = vg(self.params, rest, *args, **kwargs)
+            return ((loss, aux) if has_aux else loss), grads, new_rest
+
+        def finish(grads, rest):
+            from flax import nnx
+
+            nnx.update(self.objects, rest)
+            if not self.diff_objects:
+                return grads
+            if isinstance(self.argnums, int):
+                return grads[0][self.argnums]
+            return tuple(grads[0][i] for i in self.argnums)
+
+        return call, self.rest, finish
+
+
+# --------------------------------------------------------------------------- #
+# nnx.State: what a functional NNX loop carries and checkpoints.
+# --------------------------------------------------------------------------- #
+
+# The keys that make a mapping in an ``nnx.State`` a split DynamicScalingState.
+_SCALING_KEYS = frozenset({"steps", "skipped_steps", "consecutive_skips"})
+_I32_MAX = 2**31 - 1
+
+
+def scaling_states(state: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(key path, DynamicScalingState)`` for each split scaling state in an
+    ``nnx.State``, with the State's own variables as leaves.
+
+    ``nnx.split`` keeps the arrays of the state and moves its static parts into
+    the GraphDef: the NamedTuple becomes a mapping by field name, and the loss
+    scale's configuration (``growth_interval``, ``min_scale``...) is gone. The
+    loss scale comes back as the kind its fields show, with the widest
+    configuration the library allows (``min_scale`` the smallest normal
+    float32, ``growth_interval`` and ``hysteresis`` the int32 maximum).
+    """
+    from jaxscale._loss_scale import (
+        DEFAULT_MAX_SCALE,
+        DEFAULT_MIN_SCALE,
+        DynamicLossScale,
+        NoOpLossScale,
+        StaticLossScale,
+    )
+    from jaxscale._transform import DynamicScalingState
+
+    def loss_scale(node: Any) -> Any:
+        keys = set(node) if isinstance(node, Mapping) else set()
+        if {"loss_scale", "growth_tracker", "hysteresis_tracker"} <= keys:
+            return DynamicLossScale(
+                loss_scale=node["loss_scale"],
+                growth_tracker=node["growth_tracker"],
+                hysteresis_tracker=node["hysteresis_tracker"],
+                growth_interval=_I32_MAX,
+                hysteresis=_I32_MAX,
+                min_scale=DEFAULT_MIN_SCALE,
+                max_scale=DEFAULT_MAX_SCALE,
             )
-            return ((loss, aux) if has_aux else loss), grads, new_rests
+        if "loss_scale" in keys:
+            return StaticLossScale(loss_scale=node["loss_scale"])
+        return NoOpLossScale()
 
-        def finish(grads, rests):
-            self.write_back(rests)
-            return self.grads_out(grads, argnums)
+    found = []
 
-        return call, finish
+    def walk(path: tuple[Any, ...], node: Any) -> None:
+        if not isinstance(node, Mapping):
+            return
+        if _SCALING_KEYS <= set(node) and "last_step_finite" in node:
+            found.append(
+                (
+                    path,
+                    DynamicScalingState(
+                        loss_scale=loss_scale(node.get("loss_scale")),
+                        inner_state=node.get("inner_state"),
+                        steps=node["steps"],
+                        skipped_steps=node["skipped_steps"],
+                        consecutive_skips=node["consecutive_skips"],
+                        last_step_finite=node["last_step_finite"],
+                        steps_at_floor=node.get("steps_at_floor"),
+                        nonfinite_leaves=node.get("nonfinite_leaves"),
+                    ),
+                )
+            )
+            return
+        for key, value in node.items():
+            walk((*path, jax.tree_util.DictKey(key)), value)
 
-    def write_back(self, rests: dict[int, Any]) -> None:
-        """Updates the caller's modules with the new non-differentiated state."""
-        from flax import nnx
-
-        for i in self.positions:
-            nnx.update(self.modules[i], rests[i])
-
-    def grads_out(self, grads: dict[int, Any], argnums: Any) -> Any:
-        """Gradients in the shape ``argnums`` asks for (an int: one State)."""
-        if isinstance(argnums, int):
-            return grads[argnums]
-        return tuple(grads[i] for i in argnums)
+    walk((), state)
+    return found
 
 
-def check_all_modules(positions: tuple[int, ...], argnums: tuple[int, ...]) -> None:
-    """Raises if NNX modules and plain arrays are differentiated together."""
-    if set(positions) != set(argnums):
-        raise TypeError(
-            f"`argnums` {argnums} mixes Flax NNX modules (at {positions}) with other "
-            "arguments: differentiate either modules (their `nnx.Param`s) or "
-            "pytrees of arrays. Put the arrays in an `nnx.Param` of a module, or "
-            "call `jxs.value_and_grad` on `nnx.split` states."
-        )
+def write_back(variables: Any, old: Any, new: Any) -> None:
+    """Sets each NNX variable of ``variables`` whose unwrapped value ``old``
+    became another array in ``new`` (trees of the same structure)."""
+    from jaxscale._composition import is_variable
+
+    flat_vars = jax.tree.leaves(variables, is_leaf=is_variable)
+    for var, a, b in zip(
+        flat_vars, jax.tree.leaves(old), jax.tree.leaves(new), strict=True
+    ):
+        if a is b:
+            continue
+        if not is_variable(var):
+            raise TypeError(
+                "`state` must hold its jaxscale arrays in NNX variables to be "
+                f"repaired in place, got a {type(var).__name__} leaf."
+            )
+        if hasattr(var, "set_value"):
+            var.set_value(b)
+        else:  # flax 0.11
+            var.value = b

@@ -477,17 +477,28 @@ def value_and_grad(
     float16 loss cannot carry a scale above 65504 through the backward pass (the
     step overflows and the scale backs off until it fits).
 
+    Flax NNX: pass the modules themselves, as to ``nnx.value_and_grad``
+    (``jxs.value_and_grad(loss_fn, optimizer)(model, x)``). The ``wrt``
+    variables (the optimizer's, else ``nnx.Param``) of the modules at
+    ``argnums`` are differentiated and their gradients come back as
+    ``nnx.State``; the modules' other state (BatchNorm statistics, RNG counts)
+    and any other NNX object among the arguments (an ``nnx.Rngs``) are updated
+    in place, as ``nnx.value_and_grad`` updates them. See the Flax guide.
+
     Args:
       fun: the loss function; returns a scalar, or ``(scalar, aux)`` with
         ``has_aux=True``.
       loss_scale: a :class:`LossScale`, or any state containing one (the
-        optimizer state, a ``TrainState``; see :func:`loss_scale_of`).
+        optimizer state, a ``TrainState``, an ``nnx.Optimizer``; see
+        :func:`loss_scale_of`).
       argnums: which positional argument(s) to differentiate, as in JAX.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
       A function with ``fun``'s signature returning ``(loss, grads)``, or
-      ``((loss, aux), grads)`` with ``has_aux=True``.
+      ``((loss, aux), grads)`` with ``has_aux=True``. It raises a ``TypeError``
+      if ``argnums`` mixes NNX modules with other arguments, or if an argument
+      holds an NNX object inside a container.
 
     Examples:
       >>> import jaxscale as jxs
@@ -507,13 +518,11 @@ def value_and_grad(
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        positions = _nnx.module_positions(args, _argnum_tuple(argnums))
-        if positions:  # Flax NNX modules: split, differentiate, write back
-            _nnx.check_all_modules(positions, _argnum_tuple(argnums))
-            split = _nnx.NnxArgs(args, positions, _nnx.default_wrt(loss_scale))
-            call, finish = split.grad_call(fun, ls, has_aux, argnums, kwargs)
-            out, grads, rests = call(args, split.rests)
-            return out, finish(grads, rests)
+        if _nnx.has_objects(args, kwargs):  # Flax NNX: split, differentiate, update
+            split = _nnx.NnxArgs(args, kwargs, argnums, _nnx.default_wrt(loss_scale))
+            call, rest, finish = split.grad_call(fun, ls, has_aux)
+            out, grads, rest = call(args, kwargs, rest)
+            return out, finish(grads, rest)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._composition import _is_nnx_state
+from jaxscale import _nnx
+from jaxscale._composition import is_variable, unwrap_variable
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
@@ -35,9 +36,10 @@ _DIAGNOSTIC_COUNTERS = ("steps_at_floor",)
 class _Checker:
     """Checks leaves one by one; raises, or records a repair and returns it."""
 
-    def __init__(self, prefix: str, repair: bool):
+    def __init__(self, prefix: str, repair: bool, note: str = ""):
         self.prefix = prefix
         self.repair = repair
+        self.note = note
         self.repairs: list[str] = []
 
     def name(self, field: str) -> str:
@@ -50,7 +52,9 @@ class _Checker:
             else ""
         )
         got = value if isinstance(value, str) else repr(value)
-        raise ValueError(f"`{self.name(field)}` must be {rule}, got {got}.{hint}")
+        raise ValueError(
+            f"`{self.name(field)}` must be {rule}, got {got}.{hint}{self.note}"
+        )
 
     def fix(self, field: str, rule: str, old: Any, new: Any) -> Any:
         if not self.repair:
@@ -264,6 +268,25 @@ def _is_ours(x: Any) -> bool:
     return isinstance(x, LossScale | DynamicScalingState)
 
 
+_STATE_NOTE = (
+    " (An nnx.State has no loss-scale configuration, which `nnx.split` puts in "
+    "the GraphDef: ranges that depend on it are checked against the widest one "
+    "allowed; validate `nnx.merge(graphdef, state)` for the full check.)"
+)
+
+
+def _nodes(obj: Any) -> list[tuple[Any, Any]]:
+    """``(key path, node)`` of the jaxscale states in an NNX object's
+    ``opt_state``, with its variables as leaves."""
+    if not hasattr(obj, "opt_state"):
+        return []
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        obj.opt_state, is_leaf=lambda x: _is_ours(x) or is_variable(x)
+    )
+    key = jax.tree_util.GetAttrKey("opt_state")
+    return [((key, *p), x) for p, x in flat if _is_ours(x)]
+
+
 def validate_state(state: Any, *, repair: bool = False) -> Any:
     """Checks a restored jaxscale state against its configuration, on the host.
 
@@ -305,13 +328,26 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
     The inner optimizer's state and the parameters are not inspected: check
     parameters with :func:`all_finite`.
 
+    Flax NNX: an ``nnx.Optimizer``, its ``opt_state`` and an ``nnx.State``
+    (from ``nnx.split``, or restored by orbax in a functional loop) are
+    mutable, and are checked and repaired **in place**, as NNX updates
+    everything: the repaired values are written into their variables (any
+    jaxscale state held in NNX variables is), and ``state`` itself is returned. An
+    ``nnx.State`` has no loss-scale configuration (``nnx.split`` puts it in the
+    GraphDef), so the ranges that depend on it are checked against the widest
+    configuration allowed (scale in ``[2**-126, float32 max]``, trackers
+    ``>= 0`` and ``>= 1``); everything else is checked as above. Validate the
+    merged optimizer for the full check.
+
     Args:
-      state: a pytree holding jaxscale state, with concrete (not traced) leaves.
+      state: a pytree holding jaxscale state, with concrete (not traced) leaves,
+        an ``nnx.Optimizer`` or an ``nnx.State``.
       repair: whether to repair instead of raising, as listed above.
 
     Returns:
-      ``state`` itself when it is valid; otherwise (with ``repair=True``) a copy
-      in which only the repaired leaves are replaced (by fresh device arrays).
+      ``state`` itself when it is valid or held in NNX variables (repaired in
+      place); otherwise (with ``repair=True``) a copy in which only the
+      repaired leaves are replaced (by fresh device arrays).
 
     Raises:
       ValueError: if a check fails (with ``repair=False``), or a value cannot be
@@ -336,33 +372,48 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
     found = 0
     repairs: list[str] = []
 
-    def check(path: Any, node: Any) -> Any:
+    def check(path: Any, node: Any, note: str = "", in_place: bool = False) -> Any:
         nonlocal found
         if not _is_ours(node):
             return node
         found += 1
         prefix = jax.tree_util.keystr(path)
         prefix = f"{prefix.lstrip('.')}." if prefix else ""
-        c = _Checker(prefix, repair)
-        if isinstance(node, DynamicScalingState):
-            out = _validate_scaling_state(node, c)
+        c = _Checker(prefix, repair, note)
+        validate = (
+            _validate_scaling_state
+            if isinstance(node, DynamicScalingState)
+            else _validate_loss_scale
+        )
+        held = jax.tree.leaves(node, is_leaf=is_variable)
+        if in_place or any(map(is_variable, held)):  # NNX: repaired in place
+            old = jax.tree.map(unwrap_variable, node, is_leaf=is_variable)
+            _nnx.write_back(node, old, validate(old, c))
+            out = node
         else:
-            out = _validate_loss_scale(node, c)
+            out = validate(node, c)
         repairs.extend(c.repairs)
         return out
 
-    if _is_ours(state):
+    if _nnx.is_state(state):
+        for path, node in _nnx.scaling_states(state):
+            check(path, node, _STATE_NOTE, in_place=True)
+        out = state
+    elif _nnx.is_object(state):  # an nnx.Optimizer
+        for path, node in _nodes(state):
+            check(path, node)
+        out = state
+    elif _is_ours(state):
         out = check((), state)
     else:
         out = jax.tree_util.tree_map_with_path(check, state, is_leaf=_is_ours)
     if not found:
-        hint = ""
-        if _is_nnx_state(state):
-            hint = (
-                " An nnx.State (from `nnx.split`) holds the arrays but not the "
-                "loss scale's configuration, which lives in the GraphDef: validate "
-                "`nnx.merge(graphdef, state)` instead."
-            )
+        hint = (
+            " An nnx.State of the model alone holds no optimizer state: pass the "
+            "state of `nnx.split((model, optimizer))` or the `nnx.Optimizer`."
+            if _nnx.is_state(state)
+            else ""
+        )
         raise ValueError(
             "`state` contains no jaxscale state (a jxs.DynamicScalingState or "
             f"jxs.LossScale), got {type(state).__name__}. Pass the optimizer state "

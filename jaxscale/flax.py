@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
+from jaxscale._accumulate import AccumulateState
 from jaxscale._checkpoint import register_flax_serialization
 from jaxscale._transform import DynamicScalingState, _is_variable, _unwrap_variable
-from jaxscale._tree import select_tree
+from jaxscale._tree import all_finite, select_tree
 
 __all__ = [
     "TrainState",
@@ -98,6 +99,36 @@ def update_applied(old_opt_state: Any, new_opt_state: Any) -> jax.Array:
     return (new.steps != old.steps) & new.last_step_finite
 
 
+def _accumulates(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a :func:`jaxscale.accumulate` state (read
+    from the structure, at trace time)."""
+    is_acc = lambda x: isinstance(x, AccumulateState)  # noqa: E731
+    return any(
+        map(
+            is_acc,
+            jax.tree.leaves(opt_state, is_leaf=lambda x: is_acc(x) or _is_variable(x)),
+        )
+    )
+
+
+def _keep_old(old_opt_state: Any, new_opt_state: Any, new_values: Any) -> jax.Array:
+    """``bool[]``: whether state written by this step's forward pass (e.g.
+    BatchNorm statistics, now ``new_values``) should get its old value back.
+
+    Yes on a step skipped for an overflow. Under :func:`jaxscale.accumulate`,
+    on a call that only accumulates (the scaling state did not step): yes iff
+    ``new_values`` are not all finite, so that each micro-batch still updates
+    the statistics but an overflowing one cannot poison them.
+    """
+    old = _one_scaling_state(old_opt_state, "old_opt_state")
+    new = _one_scaling_state(new_opt_state, "new_opt_state")
+    skipped = jnp.logical_not(new.last_step_finite)
+    if not _accumulates(new_opt_state):
+        return skipped
+    stepped = new.steps != old.steps
+    return jnp.where(stepped, skipped, jnp.logical_not(all_finite(new_values)))
+
+
 class TrainState(train_state.TrainState):
     """A Flax ``TrainState`` whose ``step`` counts applied updates only.
 
@@ -113,14 +144,17 @@ class TrainState(train_state.TrainState):
     for checkpoints and logs. Update attempts and skips are counted in the
     optimizer state (``jxs.summary(state.opt_state)``).
 
-    Other fields passed to ``apply_gradients`` as keyword arguments (e.g.
-    ``batch_stats`` from the forward pass) are replaced only when the update
-    was applied: a skipped step keeps their old values. torch keeps the
-    BatchNorm statistics of a skipped step's forward pass, so one forward pass
-    that overflows leaves them NaN for ever (measured: eval accuracy 0.25
-    instead of 0.62 on a small BatchNorm model); this guard avoids it. Under
-    :func:`jaxscale.accumulate` the accumulating calls count as not applied,
-    so pass ``batch_stats`` on the window's last call (or thread it yourself).
+    Forward-overflow guard: other fields passed to ``apply_gradients`` as
+    keyword arguments (e.g. ``batch_stats`` from the forward pass) keep their
+    old values on a step skipped for an overflow. torch (and the stock class)
+    keep the BatchNorm statistics of a skipped step's forward pass, so one
+    forward pass that overflows leaves them NaN for ever (measured: eval
+    accuracy 0.25 instead of 0.61 on a small BatchNorm model); with this class
+    a skipped step changes nothing but the loss scale and the counters. Under
+    :func:`jaxscale.accumulate` the fields are replaced on every call (each
+    micro-batch updates the statistics, as with the stock class) except when
+    the new values are not finite, or when the window's update is skipped. To
+    keep the stock behaviour, set the fields with ``replace`` afterwards.
 
     Examples:
       >>> import jaxscale as jxs
@@ -147,12 +181,12 @@ class TrainState(train_state.TrainState):
           grads: the gradients of the *scaled* loss (see
             :func:`jaxscale.value_and_grad`), in the structure of ``params``.
           **kwargs: other fields to replace (e.g. ``batch_stats``), as in the
-            stock class, but only if the update is applied: on a skipped step
-            they keep their old values.
+            stock class, except on a skipped step, where they keep their old
+            values (see the class docstring for :func:`jaxscale.accumulate`).
 
         Returns:
-          The new state; ``step`` is incremented and the other fields replaced
-          iff the update was applied.
+          The new state; ``step`` is incremented iff the update was applied,
+          and the other fields are replaced unless the step was skipped.
 
         Examples:
           >>> import jaxscale as jxs
@@ -170,9 +204,11 @@ class TrainState(train_state.TrainState):
         # Forward-overflow guard: a skipped step keeps the other fields too (one
         # overflowing forward pass would otherwise leave BatchNorm statistics NaN
         # for ever).
-        kept = {
-            k: select_tree(applied, getattr(new, k), getattr(self, k)) for k in kwargs
-        }
+        kept = {}
+        for k in kwargs:
+            old, value = getattr(self, k), getattr(new, k)
+            keep = _keep_old(self.opt_state, new.opt_state, value)
+            kept[k] = select_tree(keep, old, value)
         return new.replace(step=self.step + jnp.where(applied, 1, 0), **kept)
 
     @classmethod
@@ -219,10 +255,10 @@ def keep_on_skip(model: Any, optimizer: Any, *filters: Any) -> Iterator[None]:
     """Keeps an NNX ``model``'s non-parameter state unchanged on a skipped step.
 
     The forward-overflow guard for Flax NNX, where the forward pass mutates the
-    module (BatchNorm statistics, RNG counts) before ``optimizer.update`` knows
-    whether the step overflows. Wrap the forward pass and the update::
+    module (BatchNorm statistics) before ``optimizer.update`` knows whether the
+    step overflows. Wrap the forward pass and the update::
 
-        with jxf.keep_on_skip(model, optimizer, nnx.BatchStat):
+        with jxf.keep_on_skip(model, optimizer):
             loss, grads = jxs.value_and_grad(loss_fn, optimizer)(model, batch)
             optimizer.update(model, grads)
 
@@ -230,19 +266,25 @@ def keep_on_skip(model: Any, optimizer: Any, *filters: Any) -> Iterator[None]:
     ``nnx.BatchStat``); on exit it keeps the new values if the update was
     applied and puts the copy back if it was skipped (a select on device: no
     host sync, fine under ``nnx.jit``). Without it, one forward pass that
-    overflows leaves the running statistics NaN for ever (as in torch).
+    overflows leaves the running statistics NaN for ever (as in torch). Under
+    :func:`jaxscale.accumulate` (one ``update`` per micro-batch) the new values
+    of an accumulating call are kept unless they are not finite.
+
+    RNG counts are not protected by default: that a skipped step advances them
+    is harmless (the next step draws a fresh dropout mask, as torch does). To
+    protect every variable but the parameters and the RNG state, pass
+    ``nnx.Not(nnx.Any(nnx.Param, nnx.RngState))``.
 
     Args:
       model: the ``nnx.Module`` the step updates.
       optimizer: the ``nnx.Optimizer`` (or its ``opt_state``) holding one
-        :func:`jaxscale.dynamic_scaling`; read on exit, after ``update``.
+        :func:`jaxscale.dynamic_scaling`; read on entry and after ``update``.
       *filters: NNX filters of the state to protect (default
-        ``nnx.BatchStat``); e.g. ``nnx.Not(nnx.Param)`` for everything but the
-        parameters.
+        ``nnx.BatchStat``).
 
     Raises:
-      ValueError: on exit, if ``optimizer`` holds no (or several) scaling
-        states.
+      ValueError: if ``optimizer`` holds no (or several) scaling states, or
+        (on exit) if the protected variables were removed from ``model``.
 
     Examples:
       >>> import jaxscale as jxs
@@ -262,17 +304,17 @@ def keep_on_skip(model: Any, optimizer: Any, *filters: Any) -> Iterator[None]:
     from flax import nnx
 
     filters = filters or (nnx.BatchStat,)
-    # A detached copy: nnx.state returns the model's own variables.
+    opt_state = getattr(optimizer, "opt_state", optimizer)
+    # Detached copies: nnx.state returns the model's own variables, and the
+    # optimizer's variables are updated in place.
     before = jax.tree.map(lambda x: x, nnx.state(model, *filters))
+    old_opt_state = jax.tree.map(_unwrap_variable, opt_state, is_leaf=_is_variable)
+    _one_scaling_state(old_opt_state, "optimizer")
     yield
-    state = _one_scaling_state(getattr(optimizer, "opt_state", optimizer), "optimizer")
-    applied = state.last_step_finite
-    kept = jax.tree.map(
-        lambda old, new: jnp.where(applied, new, old),
-        before,
-        _matching(nnx.state(model), before),
-    )
-    nnx.update(model, kept)
+    new_opt_state = getattr(optimizer, "opt_state", optimizer)
+    after = _matching(nnx.state(model), before)
+    keep = _keep_old(old_opt_state, new_opt_state, after)
+    nnx.update(model, select_tree(keep, before, after))
 
 
 def _matching(state: Any, like: Any) -> Any:
@@ -283,8 +325,8 @@ def _matching(state: Any, like: Any) -> Any:
     missing = [jax.tree_util.keystr(p) for p, _ in paths if p not in flat]
     if missing:
         raise ValueError(
-            "`before` must be a state of `model` (e.g. `nnx.state(model, "
-            f"nnx.BatchStat)` taken before the forward pass); {missing[:3]} are "
-            "not in the model."
+            "`model` must keep the variables that `jxf.keep_on_skip` protects "
+            f"until the end of the block; {missing[:3]} were removed (e.g. by "
+            "`nnx.pop`): pop them after the block."
         )
     return jax.tree.unflatten(treedef, [flat[p] for p, _ in paths])
