@@ -193,6 +193,16 @@ def _cond(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
     return list(outs), _default_infos(outs)
 
 
+def _named(fn: Callable[..., Any], jaxpr: Any) -> Callable[..., Any]:
+    """``fn`` renamed after the function ``jaxpr`` was traced from (``relu``...),
+    so the rebuilt custom-derivative call reads as the original in a jaxpr."""
+    debug = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+    name = getattr(debug, "func_name", None)
+    if isinstance(name, str) and name.isidentifier():
+        fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
 def _tangent_zeros(primal: Any) -> Any:
     if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
         return jax.numpy.zeros_like(primal)
@@ -225,7 +235,7 @@ def _custom_jvp(
         ]
         return out_p, out_t
 
-    fn = jax.custom_jvp(impl)
+    fn = jax.custom_jvp(_named(impl, call))
     fn.defjvp(jvp)
     outs = fn(*primals)
     return list(outs), _default_infos(outs)
@@ -294,7 +304,7 @@ def _custom_vjp(
             for c, d in zip(outs, in_dtypes, strict=True)
         )
 
-    fn = jax.custom_vjp(impl)
+    fn = jax.custom_vjp(_named(impl, call))
     fn.defvjp(fwd, bwd_rule)
     outs = fn(*primals)
     return list(outs), _default_infos(outs)

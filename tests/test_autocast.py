@@ -7,6 +7,7 @@ test_autocast_torch.py.
 
 import functools
 import inspect
+import re
 import warnings
 
 import jax
@@ -377,3 +378,30 @@ def test_unknown_higher_order_primitive_warns_and_runs_as_traced():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jxs.autocast(f, rules={"custom_linear_solve": "traced"})(X)
+
+
+# --------------------------------------------------------------------------- #
+# The guide
+# --------------------------------------------------------------------------- #
+
+
+def test_the_guide_runs_as_written(capsys):
+    """docs/autocast.md: every ``python`` block, in order, in one namespace (its
+    ``py`` block is torch's side); the printed results are the ones it states."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    assert len(blocks) >= 5
+    scope = {}
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        for block in blocks:
+            exec(compile(block, "docs/autocast.md", "exec"), scope)
+    printed = capsys.readouterr().out.splitlines()
+    loss = float(printed[0].removeprefix("loss "))
+    assert loss < 0.05
+    assert "['float32', 'float16']" in printed
+    assert printed[-4:] == ["True", "False", "False", "False"]  # the attention pitfall
+    jaxpr = scope["jaxpr"]
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(e.outvars[0].aval.dtype == F16 for e in dots)
