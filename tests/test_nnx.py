@@ -340,7 +340,7 @@ def test_an_rngs_argument_advances_like_nnx_value_and_grad(keyword):
     for _ in range(3):
         loss, grads = ours(model, opt, rngs)
         ref_loss, ref_grads = ref(ref_model, ref_rngs)
-        assert float(loss) == float(ref_loss)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)  # same mask
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b * SCALE, rtol=1e-5),
             grads,
@@ -366,7 +366,7 @@ def test_arrays_differentiated_with_an_rngs_argument_carried():
     ref = nnx.jit(lambda w, r: nnx.value_and_grad(loss)(w, x, y, r))
     for _ in range(2):
         (loss_a, g_a), (loss_b, g_b) = ours(w, rngs), ref(w, ref_rngs)
-        assert float(loss_a) == float(loss_b)
+        np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
         np.testing.assert_allclose(g_a["w"], g_b["w"] * SCALE, rtol=1e-5)
     assert int(rngs.dropout.count[...]) == 2
 
