@@ -124,10 +124,8 @@ def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]) -> Any:
     from jax._src.interpreters import partial_eval as pe
 
     debug = api_util.debug_info("jaxscale.autocast", fn, tuple(avals), {})
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-        lu.wrap_init(fn, debug_info=debug), list(avals)
-    )
-    return jcore.ClosedJaxpr(jaxpr, consts)
+    traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), list(avals))
+    return jcore.ClosedJaxpr(traced[0], traced[2])  # (jaxpr, out_avals, consts, ...)
 
 
 def bind(primitive: Any, params: Mapping[str, Any], vals: Sequence[Any]) -> list[Any]:

@@ -313,9 +313,13 @@ def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[str, AutocastRule]:
     if rules is None:
         return table
     if not isinstance(rules, Mapping):
+        hint = ""
+        if isinstance(rules, type | str) or hasattr(rules, "itemsize"):
+            hint = " (the table takes no dtype: it is the same for every dtype)"
         raise TypeError(
             "`rules` must be a mapping from primitive names (or primitives) to "
-            f"rule names, such as {{'exp': 'keep'}}, got {type(rules).__name__}."
+            f"rule names, such as {{'exp': 'keep'}}, got {type(rules).__name__}"
+            f"{hint}."
         )
     for key, value in rules.items():
         name = key if isinstance(key, str) else getattr(key, "name", None)

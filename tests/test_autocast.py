@@ -97,6 +97,7 @@ def test_overrides_by_name_primitive_or_member():
         ),
         ([("exp", "keep")], TypeError, r"`rules` must be a mapping.*got list"),
         ({3: "keep"}, TypeError, r"`rules` keys must be primitive names.*got 3"),
+        (jnp.float16, TypeError, r"got _ScalarMeta \(the table takes no dtype"),
     ],
 )
 def test_bad_rules(rules, error, match):
