@@ -172,13 +172,13 @@ def _source_of(eqn: Any):
 
 # Provenance: which primitives pass a value's origin through.
 _SAME_SOURCE = frozenset(
-    {"broadcast_in_dim", "convert_element_type", "copy", "device_put", "pvary"}
+    {"broadcast_in_dim", "convert_element_type", "copy", "device_put", "name", "pvary"}
     | {"reshape", "reshard", "sharding_constraint", "squeeze", "stop_gradient"}
     | {"transpose"}
 )
 _SAME_PARAM = _SAME_SOURCE | {"dynamic_slice", "gather", "rev", "slice"}
 _SAME_LOWERED = frozenset(
-    {"copy", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
+    {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
     | {"transpose"}
 )
 

@@ -214,6 +214,7 @@ _KEEP = (
     "slice",
     "split",
     "squeeze",
+    "tile",
     "transpose",
     # Exact reductions, sorting, selection.
     "argmax",
@@ -234,6 +235,7 @@ _KEEP = (
     "debug_callback",
     "device_put",
     "layout_constraint",
+    "name",  # jax.ad_checkpoint.checkpoint_name
     "optimization_barrier",
     "pbroadcast",
     "pmax",

@@ -170,6 +170,23 @@ def test_checkpoint_is_kept_with_its_policy():
     assert remat.params["policy"] is policy
 
 
+def test_checkpoint_names_are_transparent():
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+
+    def fn(x, w):
+        def body(y):  # the named value stays float16, and so does the bias add
+            return jnp.tanh(checkpoint_name(y @ w, "h") + B[None]) @ w
+
+        return jax.checkpoint(body, policy=policy)(x)
+
+    assert check(fn, X, W).dtype == F16
+    jaxpr = jax.make_jaxpr(jxs.autocast(fn))(X, W)
+    (name,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "name"]
+    assert name.outvars[0].aval.dtype == F16
+
+
 def test_custom_jvp_rules_are_kept():
     @jax.custom_jvp
     def odd(x):
