@@ -334,7 +334,8 @@ def accumulate_value_and_grad(
             return call(full, carry)
 
         first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
-        _, grads_shape, _ = jax.eval_shape(micro, first, carry0)
+        with _nnx.explain_trace_errors():
+            _, grads_shape, _ = jax.eval_shape(micro, first, carry0)
         acc0 = jax.tree.map(_zeros_acc, grads_shape)
 
         def body(state, mb):

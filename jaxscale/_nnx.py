@@ -19,8 +19,9 @@ Nothing here imports Flax unless an argument is an NNX object.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import jax
 __all__ = [
     "NnxArgs",
     "default_wrt",
+    "explain_trace_errors",
     "has_objects",
     "is_object",
     "is_state",
@@ -80,6 +82,27 @@ def has_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
                 "updated."
             )
     return any(map(is_object, args)) or any(map(is_object, kwargs.values()))
+
+
+@contextlib.contextmanager
+def explain_trace_errors() -> Iterator[None]:
+    """Re-raises Flax's ``TraceContextError`` from inside the micro-batch scan
+    with the fix (0.1.0's documented recipe closed over a split module)."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ != "TraceContextError":
+            raise
+        raise TypeError(
+            "A Flax NNX variable was updated inside the micro-batches of "
+            "`jxs.accumulate_value_and_grad` on an object that the loss reaches "
+            "through a closure (e.g. `nnx.merge(graphdef, params, rest)` with "
+            "`rest` split outside). Pass the module, and any `nnx.Rngs`, to the "
+            "returned function as arguments instead, e.g. "
+            "`jxs.accumulate_value_and_grad(loss_fn, optimizer, "
+            "num_microbatches=k)(model, x, y)`: their state (BatchNorm "
+            "statistics, RNG counts) is then carried through the micro-batches."
+        ) from e
 
 
 def default_wrt(holder: Any) -> Any:

@@ -705,3 +705,23 @@ def test_the_guide_linen_batch_stats_snippets_run():
     )
     exec(guide_block("applied = jxf.update_applied"), scope)  # noqa: S102
     np.testing.assert_array_equal(scope["new"].batch_stats["mean"], np.zeros(2))
+
+
+def test_accumulation_over_a_closed_over_split_module_says_what_to_do():
+    """0.1.0's documented recipe (split the model, close over the rest) failed
+    with Flax's TraceContextError for any model with Dropout or BatchNorm."""
+    x, y = data()
+    model, optimizer = make()
+
+    @nnx.jit
+    def step(model, optimizer):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, x, y):
+            return loss_fn(nnx.merge(graphdef, params, rest), x, y)
+
+        fn = jxs.accumulate_value_and_grad(loss, optimizer, num_microbatches=4)
+        return fn(params, x, y)
+
+    with pytest.raises(TypeError, match=r"Pass the module, and any `nnx.Rngs`"):
+        step(model, optimizer)
