@@ -17,11 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale._hooks import LeafFlags
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 
 __all__ = ["register_flax_serialization", "upgrade_checkpoint"]
 
-_CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale)
+_CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale, LeafFlags)
 
 
 def _data_fields(cls: type) -> tuple[str, ...]:
@@ -164,7 +165,7 @@ def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
       >>> state = jxs.upgrade_checkpoint(
       ...     lambda like: serialization.from_bytes(like, data), target)
       >>> state.nonfinite_leaves
-      {'w': Array(False, dtype=bool)}
+      LeafFlags(flags=Array([False], dtype=bool), names=('w',))
     """
     from jaxscale._transform import DynamicScalingState
 
@@ -190,7 +191,7 @@ def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
     )
     restored = restore(legacy)
     flags = iter(
-        jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), x.nonfinite_leaves)
+        jax.tree.map(lambda f: jnp.zeros(jnp.shape(f), jnp.bool_), x.nonfinite_leaves)
         for x in found
     )
     return jax.tree.map(

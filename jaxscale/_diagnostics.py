@@ -15,7 +15,7 @@ import numpy as np
 from jaxscale import _nnx
 from jaxscale._clip import overflow_safe_norm
 from jaxscale._composition import find_state, is_variable, unwrap_variable
-from jaxscale._hooks import leaf_names, path_name
+from jaxscale._hooks import flag_values, path_name
 from jaxscale._loss_scale import DynamicLossScale, LossScale
 from jaxscale._transform import DynamicScalingState, loss_scale_of
 from jaxscale._tree import is_float_leaf
@@ -118,7 +118,7 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     if state.nonfinite_leaves is not None:  # always, but in 0.1.0 states
         count = state.steps - state.steps  # 0 on device: no transfer
         for f in jax.tree.leaves(state.nonfinite_leaves):
-            count = count + f.astype(jnp.int32)
+            count = count + jnp.sum(jnp.asarray(f).astype(jnp.int32))
         out["nonfinite_leaves"] = count
     return out
 
@@ -126,16 +126,17 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
 def nonfinite_paths(flags_or_state: Any) -> list[str]:
     """Names of the gradient leaves that were non-finite on the last step.
 
-    :func:`dynamic_scaling` keeps one ``bool[]`` flag per gradient leaf in
-    ``DynamicScalingState.nonfinite_leaves`` (computed on skipped steps only,
-    so a finite step does not pay for it). Names are key paths joined by ``/``, e.g.
+    :func:`dynamic_scaling` keeps a flag per gradient leaf in
+    ``DynamicScalingState.nonfinite_leaves`` (one ``bool[n]`` array with the
+    leaves' names). Names are key paths joined by ``/``, e.g.
     ``"encoder/layers/0/kernel"`` (``"<root>"`` for a tree that is one array).
     This reads the flags, so it synchronises with the device: call it on the
     host, e.g. when ``jxs.summary(state)["last_step_finite"]`` is false.
 
     Args:
-      flags_or_state: a pytree of ``bool[]`` flags, or an optimizer state
-        holding a :class:`DynamicScalingState`.
+      flags_or_state: an optimizer state holding a
+        :class:`DynamicScalingState`, its ``nonfinite_leaves``, or a pytree of
+        ``bool[]`` flags.
 
     Returns:
       The names of the flagged leaves, in tree order (empty after a finite step).
@@ -173,9 +174,8 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
                 "(see the checkpointing guide)."
             )
         flags = state.nonfinite_leaves
-    names = leaf_names(flags)
     out = []
-    for name, f in zip(names, jax.tree.leaves(flags), strict=True):
+    for name, f in flag_values(flags):
         if isinstance(f, jax.core.Tracer):
             raise TypeError(
                 "`flags_or_state` must hold concrete flags; `nonfinite_paths` reads "

@@ -68,11 +68,14 @@ def all_replicas_finite(finite: jax.Array, axis_name: AxisName) -> jax.Array:
 
 
 def any_replica(flags: Any, axis_name: AxisName) -> Any:
-    """Per-leaf ``bool[]`` flags or-ed over the ``axis_name`` axis."""
-    return jax.tree.map(
-        lambda f: lax.pmax(f.astype(jnp.int32), axis_name) > 0,
-        flags,
-    )
+    """Boolean flags (any pytree of them) or-ed over the ``axis_name`` axis."""
+    try:
+        return jax.tree.map(
+            lambda f: lax.pmax(f.astype(jnp.int32), axis_name) > 0,
+            flags,
+        )
+    except NameError as err:
+        raise _explain_unbound(axis_name, err) from None
 
 
 def _varying_axes(aval: Any) -> tuple[str, ...]:

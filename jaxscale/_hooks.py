@@ -9,8 +9,10 @@ core computes on skipped steps.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -19,8 +21,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxscale._loss_scale import unscale_leaf
-from jaxscale._tree import is_float_leaf, saturating_increment
+from jaxscale._tree import saturating_increment
 
 __all__ = [
     "OverflowEvent",
@@ -110,23 +111,51 @@ class ScaleAtFloorWarning(RuntimeWarning):
 # --------------------------------------------------------------------------- #
 
 
-def nonfinite_flags(grads: Any, hi: jax.Array, lo: jax.Array) -> Any:
-    """``bool[]`` per leaf of ``grads``: does the unscaled leaf hold inf or NaN?
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["flags"], meta_fields=["names"]
+)
+@dataclasses.dataclass(frozen=True)
+class LeafFlags:
+    """Per-leaf overflow flags: one ``bool[n]`` array and the leaves' names.
 
-    Non-float leaves get ``False``; ``None`` stays ``None``.
+    ``DynamicScalingState.nonfinite_leaves`` holds one of these. One array
+    whatever the number of gradient leaves: every buffer of a jitted step's
+    state is an argument and a result of each call, and on an accelerator each
+    costs dispatch time (a scalar flag per leaf made a 100-leaf step 1.3 times
+    slower on an H100; docs/performance.md). The names are static (part of the
+    tree structure), so they cost nothing on the device.
+
+    Attributes:
+      flags: ``bool[n]``, true for each leaf that was non-finite after
+        unscaling on the last step, in flattening order of the gradients.
+      names: ``tuple[str, ...]``, each leaf's :func:`path_name`.
     """
 
-    def leaf(g):
-        if not is_float_leaf(g):
-            return jnp.zeros((), jnp.bool_)
-        return ~jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
-
-    return jax.tree.map(leaf, grads)
+    flags: Any
+    names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
 
 
-def no_flags(params: Any) -> Any:
-    """All-``False`` flags in the structure of ``params`` (fresh arrays)."""
-    return jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params)
+def no_flags(params: Any) -> LeafFlags:
+    """All-``False`` :class:`LeafFlags` for the leaves of ``params`` (fresh)."""
+    names = tuple(leaf_names(params))
+    # No array at all for no leaves: checkpointers refuse zero-size arrays.
+    return LeafFlags(jnp.zeros((len(names),), jnp.bool_) if names else None, names)
+
+
+def flag_values(flags: Any) -> list[tuple[str, Any]]:
+    """``(name, flag)`` per gradient leaf, from :class:`LeafFlags` or from a
+    tree of ``bool[]`` flags (what a restored checkpoint or an ``nnx.State``
+    may hold)."""
+    if isinstance(flags, LeafFlags):
+        values = flags.flags
+        return [(n, values[i]) for i, n in enumerate(flags.names)]
+    if isinstance(flags, Mapping) and set(flags.keys()) == {
+        "flags"
+    }:  # LeafFlags, as a dict
+        values = flags["flags"]
+        values = getattr(values, "value", values)  # an ``nnx`` variable
+        return [(str(i), values[i]) for i in range(np.shape(values)[0])]
+    return list(zip(leaf_names(flags), jax.tree.leaves(flags), strict=True))
 
 
 def overflow_callback(
@@ -139,10 +168,15 @@ def overflow_callback(
     consecutive_skips: jax.Array,
 ) -> None:
     """Calls ``on_overflow`` on the host, on skipped steps only (a ``lax.cond``)."""
-    names = leaf_names(flags)
+    if isinstance(flags, LeafFlags):
+        names, leaves = flags.names, flags.flags
+    else:
+        names = leaf_names(flags)
+        leaves = jnp.stack(jax.tree.leaves(flags) or [jnp.zeros((), jnp.bool_)])
 
     def host(step, loss_scale, next_loss_scale, consecutive_skips, leaves):
-        paths = tuple(n for n, f in zip(names, leaves, strict=True) if bool(f))
+        leaves = np.asarray(leaves).reshape(-1)
+        paths = tuple(n for n, f in zip(names, leaves, strict=False) if bool(f))
         on_overflow(
             OverflowEvent(
                 step=int(step),
@@ -161,7 +195,7 @@ def overflow_callback(
         loss_scale,
         next_loss_scale,
         consecutive_skips,
-        jax.tree.leaves(flags),
+        leaves,
     )
     lax.cond(skipped, fire, lambda _: None, operands)
 

@@ -55,12 +55,14 @@ class DynamicScalingState(NamedTuple):
       steps_at_floor: ``i32[]``, consecutive steps after which the scale sat at
         its floor (``min_scale`` of a :class:`DynamicLossScale`; always 0 for
         other kinds). Many in a row mean training diverges.
-      nonfinite_leaves: ``bool[]`` flags in the structure of the gradients,
-        true for each leaf that was non-finite (after unscaling) on the last
-        step; see :func:`nonfinite_paths`. They are computed on skipped steps
-        only (a finite step sets them to ``False`` without reading the
-        gradients again), and their structure never depends on options, so a
-        checkpoint restores into any ``dynamic_scaling`` of the same params.
+      nonfinite_leaves: one ``bool[n]`` array (with the leaves' names as static
+        structure), true for each gradient leaf that was non-finite (after
+        unscaling) on the last step; see :func:`nonfinite_paths`. They are the
+        finite check's own per-leaf reductions, so they cost nothing more; one
+        array rather than a flag per leaf, since on an accelerator every buffer
+        of the state costs dispatch time. Their structure never depends on
+        options, so a checkpoint restores into any ``dynamic_scaling`` of the
+        same params.
 
     Examples:
       >>> import jaxscale as jxs
@@ -112,14 +114,6 @@ def _negative_zeros(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def _no_flag_like(g: Any) -> jax.Array:
-    """A ``False`` flag typed like ``~all(isfinite(g))`` (same varying axes)."""
-    flag = jnp.zeros((), jnp.bool_)
-    if not isinstance(g, jax.Array):
-        return flag
-    return _distributed.match_varying(flag, jax.typeof(g))
-
-
 def _cast_like(updates: Any, like: Any) -> Any:
     """Casts each float update to the dtype of its parameter (or gradient).
 
@@ -136,37 +130,34 @@ def _cast_like(updates: Any, like: Any) -> Any:
     return jax.tree.map(leaf, updates, like, is_leaf=lambda x: x is None)
 
 
-def _unscaled_finite(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
-    """Whether every unscaled float gradient is finite, in its own dtype.
+def _nonfinite(g: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """``bool[]``: does the unscaled leaf hold an ``inf`` or a ``NaN``?
 
-    Exact, with a cheap common path. Unscaling multiplies by ``hi`` and ``lo``;
-    while both are ``<= 1`` (a scale ``>= 1``) that cannot turn a finite value
-    into an inf, so the unscaled gradients are finite iff the raw ones are. And a
-    sum is finite only if every term is (``inf`` and ``NaN`` survive addition in
-    any order), so one plain sum per leaf, in at least float32, settles a finite
-    step. XLA reads such a sum straight from the gradient buffer that the inner
-    update reads next (with an elementwise op in front, it re-fuses the
-    gradient's producer and reads it twice). Only when that test fails (an
-    overflowing step, a sum that overflowed, a scale below 1) does the exact
-    elementwise check run, inside a ``lax.cond``.
+    Exact, in the leaf's own dtype (as :func:`unscale_leaf` rounds it), for
+    every scale: one fused read of the gradient. (A float32 sum per leaf, finite
+    only if every term is, reads as fast on XLA:CPU but needs an exact fallback
+    where it overflows; a variadic ``reduce`` over "no inf" and "no NaN" is
+    partitioned into all-gathers under sharded ``jit``: docs/performance.md.)
     """
-    leaves = [g for g in jax.tree.leaves(grads) if is_float_leaf(g)]
-    if not leaves:
-        return jnp.ones((), jnp.bool_)
-    quick = (hi <= 1) & (lo <= 1)
-    for g in leaves:
-        acc = jnp.float64 if jnp.result_type(g) == jnp.float64 else jnp.float32
-        quick = quick & jnp.isfinite(jnp.sum(g, dtype=acc))
+    if not is_float_leaf(g):
+        return jnp.zeros((), jnp.bool_)
+    return ~jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
 
-    def exact(leaves):
-        out = jnp.ones((), jnp.bool_)
-        for g in leaves:
-            out = out & jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
-        return out
 
-    # ``quick`` (true in that branch) rather than a constant: inside
-    # ``shard_map`` it varies over the mesh axes exactly as ``exact``'s result.
-    return lax.cond(quick, lambda _: quick, exact, leaves)
+def _check(
+    grads: Any, hi: jax.Array, lo: jax.Array, axis_name: Any
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(finite, bad)``: whether every unscaled gradient is finite, and the
+    per-leaf :func:`_nonfinite` flags as one ``bool[n]`` array, both agreed
+    over ``axis_name`` (one collective, a ``pmax`` of the array, serves both).
+    """
+    leaves = jax.tree.leaves(grads)
+    if not leaves:  # no flags array (see ``_hooks.no_flags``)
+        return jnp.ones((), jnp.bool_), None
+    bad = jnp.stack([_nonfinite(g, hi, lo) for g in leaves])
+    if axis_name is not None:  # one decision and one set of flags per axis
+        bad = _distributed.any_replica(bad, axis_name)
+    return ~jnp.any(bad), bad
 
 
 def dynamic_scaling(
@@ -179,9 +170,8 @@ def dynamic_scaling(
 
     ``update`` takes the gradients of the *scaled* loss (see
     :func:`value_and_grad`). It unscales them, checks that every unscaled
-    gradient is finite (one read of the gradients on the common path: a scale
-    >= 1 cannot make a finite gradient overflow, so a float32 sum per leaf
-    settles it; otherwise an exact check of the unscaled values runs), and then:
+    gradient is finite (exactly, in each leaf's dtype, for any scale: one
+    reduction per leaf, a single read of the gradients), and then:
 
     * finite step: runs ``inner`` on the unscaled gradients and returns its
       updates;
@@ -213,10 +203,10 @@ def dynamic_scaling(
     Integer and ``None`` leaves pass through to ``inner`` untouched.
 
     The per-leaf overflow flags (``nonfinite_leaves``, read with
-    :func:`nonfinite_paths`) are always kept, at no cost on finite steps. Host
-    hooks (a callback on every skipped step, a warning when the scale sits at
-    its floor) are a separate wrapper, :func:`monitor`. See the diagnostics
-    guide.
+    :func:`nonfinite_paths`) are always kept: they are the finite check's own
+    per-leaf reductions. Host hooks (a callback on every skipped step, a
+    warning when the scale sits at its floor) are a separate wrapper,
+    :func:`monitor`. See the diagnostics guide.
 
     Several devices (see the multi-device guide): under ``jit`` with sharded
     parameters and gradients nothing is needed, as the finite check reduces
@@ -324,42 +314,45 @@ def dynamic_scaling(
         check_updates_match_params(updates, params)
         ls = state.loss_scale
         hi, lo = reciprocal_parts(ls.loss_scale)
-        # Raw gradients into the cond: the unscale fuses into the inner update.
-        # No backend-specific relayout here (0.1.0 copied large gradients to
-        # row-major order on XLA:CPU); docs/performance.md has the measurements.
-        grads = updates
-        finite = _unscaled_finite(grads, hi, lo)
-        if axis_name is not None:  # one decision for every replica on the axis
-            finite = _distributed.all_replicas_finite(finite, axis_name)
+        finite, bad = _check(updates, hi, lo, axis_name)
+        old_flags = state.nonfinite_leaves
+        names = (
+            old_flags.names
+            if isinstance(old_flags, _hooks.LeafFlags)
+            else tuple(_hooks.leaf_names(updates))
+        )
 
         def apply(operand):
             grads, inner_state = operand
             # Half-precision leaves reach ``inner`` in float32 (master-weight
             # arithmetic): unscaled, but not cast back, with float32 params.
+            # The unscale fuses into ``inner``'s own passes.
             unscaled = jax.tree.map(lambda g: unscale_leaf(widen(g), hi, lo), grads)
             wide_params = None if params is None else jax.tree.map(widen, params)
             new_updates, new_inner = inner.update(
                 unscaled, inner_state, wide_params, **extra_args
             )
             like = grads if params is None else params
-            flags = jax.tree.map(_no_flag_like, grads)
-            return _cast_like(new_updates, like), new_inner, flags
+            return _cast_like(new_updates, like), new_inner
 
         def skip(operand):
-            grads, inner_state = operand
-            out_updates, out_inner, _ = jax.eval_shape(apply, operand)
+            _, inner_state = operand
+            out_updates, out_inner = jax.eval_shape(apply, operand)
             # The inner state comes back unchanged, typed as ``apply`` types it
             # (e.g. varying over ``shard_map`` axes, as its gradients are).
             kept = jax.tree.map(_distributed.match_varying, inner_state, out_inner)
-            flags = _hooks.nonfinite_flags(grads, hi, lo)
-            return _negative_zeros(out_updates), kept, flags
+            return _negative_zeros(out_updates), kept
 
+        # ``inner`` runs on finite steps only. Measured against a select (inner
+        # on every step, its effect masked away, fused with the caller's
+        # ``apply_updates``): no faster on an H100, slower on XLA:CPU, where the
+        # fused passes read transposed gradients with strides; and XLA fuses the
+        # decision into every masked leaf, a compile time quadratic in the
+        # number of leaves (docs/performance.md).
         with explain_structure_errors(updates, state.inner_state):
-            new_updates, new_inner, flags = lax.cond(
-                finite, apply, skip, (grads, state.inner_state)
+            new_updates, new_inner = lax.cond(
+                finite, apply, skip, (updates, state.inner_state)
             )
-        if axis_name is not None:  # one set of flags for every replica
-            flags = _distributed.any_replica(flags, axis_name)
         new_ls = ls.adjust(finite)
         new_state = DynamicScalingState(
             loss_scale=new_ls,
@@ -373,7 +366,7 @@ def dynamic_scaling(
             ).astype(jnp.int32),
             last_step_finite=finite,
             steps_at_floor=_hooks.count_at_floor(new_ls, state.steps_at_floor),
-            nonfinite_leaves=flags,
+            nonfinite_leaves=_hooks.LeafFlags(bad, names),
         )
         return new_updates, new_state
 

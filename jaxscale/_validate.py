@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 
 from jaxscale import _nnx
 from jaxscale._composition import is_variable, unwrap_variable
+from jaxscale._hooks import LeafFlags
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
@@ -250,7 +252,37 @@ def _validate_scaling_state(state: DynamicScalingState, c: _Checker) -> Any:
 
 
 def _check_flags(c: _Checker, flags: Any) -> dict[str, Any]:
-    """``nonfinite_leaves``: a ``bool[]`` flag per gradient leaf."""
+    """``nonfinite_leaves``: one ``bool[n]`` array (or a ``bool[]`` flag per
+    gradient leaf, as a restored tree may hold them)."""
+    packed = isinstance(flags, LeafFlags)
+    if packed or (isinstance(flags, Mapping) and set(flags.keys()) == {"flags"}):
+        # One bool[n] array; a dict {"flags": ...} in an ``nnx.State``.
+        value = flags.flags if packed else unwrap_variable(flags["flags"])
+        if value is None:  # no gradient leaves
+            return {}
+        if isinstance(value, jax.core.Tracer):
+            c.scalar("nonfinite_leaves.flags", value, np.bool_)  # raises
+        arr = np.asarray(value)
+        want = (len(flags.names),) if packed else arr.shape[:1]
+        if arr.shape != want or arr.ndim != 1:
+            c.fail(
+                "nonfinite_leaves.flags",
+                f"bool{list(want)} (one flag per gradient leaf)",
+                f"{arr.dtype.name}{list(arr.shape)}",
+                fixable=False,
+            )
+        if arr.dtype == np.bool_:
+            return {}
+        fixed = np.zeros(want, np.bool_)
+        if arr.dtype.kind in "biu" and ((arr == 0) | (arr == 1)).all():
+            fixed = arr.astype(np.bool_)
+        c.fix("nonfinite_leaves.flags", "bool", arr.dtype.name, "bool")
+        fixed = jnp.asarray(fixed)
+        return {
+            "nonfinite_leaves": LeafFlags(fixed, flags.names)
+            if packed
+            else {"flags": fixed}
+        }
     changed = False
 
     def leaf(path: Any, x: Any) -> Any:
