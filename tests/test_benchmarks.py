@@ -1,0 +1,33 @@
+"""The benchmarks run: ``--quick`` (tiny sizes, a few rounds) so they cannot rot."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_autocast_benchmark_quick(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "autocast.py"), "--quick"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = re.findall(r"^\| (\w+) \| autocast \| ([\d.]+) \[", out, re.M)
+    assert [model for model, _ in rows] == ["mlp", "cnn", "transformer"], out
+    for model in ("mlp", "cnn", "transformer"):
+        # Every model reports converts before and after optimisation, compile
+        # times, temporary memory and a comparison of the compiled programs.
+        section = out.split(f"== {model}:")[1].split("\n== ")[0].split("\n| ")[0]
+        assert section.count("converts before optimisation") == 2, section
+        assert section.count("converts compiled") == 2, section
+        assert "compiled HLO vs hand:" in section, section
+        assert re.search(r"autocast/hand: step [\d.]+ .* temp memory [\d.]+", section)
+    # A loss scale of 2**10 keeps these steps finite: every timed step applied.
+    skipped = re.findall(r"rounds, (\d+) skipped\)", out)
+    assert len(skipped) == 6 and set(skipped) == {"0"}, out
