@@ -5,13 +5,18 @@ source code: the standard library's own ``.py`` files (a fixed list, found next
 to the ``os`` module, so every Python install has them and nothing is
 downloaded). The last 10% of the text is held out for validation.
 
-The same model, seed and batches are trained twice:
+The same model, seed and batches are trained three times:
 
 1. ``fp32``: float32 compute, the reference;
 2. ``fp16+jaxscale``: float16 compute (``dtype=jnp.float16`` in every layer,
    float32 parameters), ``jxs.dynamic_scaling`` around the optimizer (the
    scale grows after 50 finite steps instead of torch's 2000, so that a short
-   run shows it move).
+   run shows it move);
+3. ``fp16+autocast``: the float32 model of run 1 (no ``dtype``, no cast), its
+   loss wrapped in ``jxs.autocast``, with the loss scaling of run 2: the
+   matmuls run in float16; the layer norms, the softmax, the loss and (as in
+   torch, where the embedding and the residual adds stay float32) the residual
+   stream in float32.
 
 Both use the nanoGPT recipe: AdamW with warm-up and cosine decay, gradient
 clipping by global norm and gradient accumulation over micro-batches. Clipping
@@ -162,9 +167,18 @@ def make_batches(data: jax.Array, context: int, size: int, key: jax.Array):
     return w[:, :-1], w[:, 1:]
 
 
-def train(name: str, dtype: Any, scaling: bool, data, args) -> dict[str, Any]:
-    """Trains one run; returns its history and final model."""
+def train(
+    name: str, dtype: Any, scaling: bool, data, args, autocast: bool = False
+) -> dict[str, Any]:
+    """Trains one run; returns its history and final model.
+
+    With ``autocast``, the model is float32 (``dtype`` is ignored for it) and its
+    loss runs under ``jxs.autocast(..., dtype)``.
+    """
     train_data, val_data, vocab = data
+    objective = jxs.autocast(cross_entropy, dtype) if autocast else cross_entropy
+    if autocast:
+        dtype = jnp.float32
     shape = (vocab, args.context, args.dim, args.layers, args.heads)
     model = GPT(*shape, dtype=dtype, rngs=nnx.Rngs(args.seed))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -193,7 +207,7 @@ def train(name: str, dtype: Any, scaling: bool, data, args) -> dict[str, Any]:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss_fn(params, x, y):
-            return cross_entropy(nnx.merge(graphdef, params, rest), x, y)
+            return objective(nnx.merge(graphdef, params, rest), x, y)
 
         # lax.scan over the micro-batches, at one loss scale; mean scaled grads.
         grad_fn = jxs.accumulate_value_and_grad(
@@ -206,7 +220,7 @@ def train(name: str, dtype: Any, scaling: bool, data, args) -> dict[str, Any]:
 
     @nnx.jit
     def evaluate(model, x, y):
-        return jax.lax.map(lambda b: cross_entropy(model, *b), (x, y)).mean()
+        return jax.lax.map(lambda b: objective(model, *b), (x, y)).mean()
 
     # A fixed validation set: the same windows for every evaluation and run.
     val_x, val_y = make_batches(
@@ -308,18 +322,23 @@ def plot(runs, path: str) -> bool:
     ax_loss.set_title("char transformer: loss")
     ax_loss.legend()
 
-    scaled = next(r for r in runs if r["scaling"])
-    steps = np.arange(1, len(scaled["scale"]) + 1)
-    # The scale used on each step: the initial scale, then the state after it.
-    used = np.concatenate([[2.0**16], scaled["scale"][:-1]])
-    ax_scale.step(steps, used, where="post", label="loss scale")
-    skipped = ~scaled["finite"]
-    ax_scale.plot(
-        steps[skipped], used[skipped], "rx", label=f"skipped ({skipped.sum()})"
-    )
+    for marker, scaled in zip("xo", [r for r in runs if r["scaling"]], strict=False):
+        steps = np.arange(1, len(scaled["scale"]) + 1)
+        # The scale used on each step: the initial scale, then the state after it.
+        used = np.concatenate([[2.0**16], scaled["scale"][:-1]])
+        (line,) = ax_scale.step(steps, used, where="post", label=scaled["name"])
+        skipped = ~scaled["finite"]
+        ax_scale.plot(
+            steps[skipped],
+            used[skipped],
+            marker,
+            color=line.get_color(),
+            fillstyle="none",
+            label=f"{scaled['name']} skipped ({skipped.sum()})",
+        )
     ax_scale.set_yscale("log", base=2)
     ax_scale.set(xlabel="step", ylabel="loss scale")
-    ax_scale.set_title("fp16+jaxscale: loss scale")
+    ax_scale.set_title("loss scale")
     ax_scale.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -369,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [
         train("fp32", jnp.float32, False, data, args),
         train("fp16+jaxscale", jnp.float16, True, data, args),
+        train("fp16+autocast", jnp.float16, True, data, args, autocast=True),
     ]
 
     print(
@@ -389,6 +409,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     gap = runs[1]["val"][-1][1] - runs[0]["val"][-1][1]
     print(f"fp16+jaxscale vs fp32 validation loss: {gap:+.4f} nats/char")
+    auto, hand = runs[2]["val"][-1][1], runs[1]["val"][-1][1]
+    print(
+        f"fp16+autocast vs fp16+jaxscale validation loss: {auto - hand:+.4f} "
+        f"nats/char ({100 * (auto / hand - 1):+.2f}%)"
+    )
 
     # Underflow on one micro-batch, at the fp32 run's final parameters.
     x, y = make_batches(

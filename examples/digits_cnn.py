@@ -1,22 +1,26 @@
-"""Handwritten digits: fp32 vs fp16 vs fp16 + dynamic loss scaling, side by side.
+"""Handwritten digits: fp32 vs fp16 vs fp16 + loss scaling (hand-cast or autocast).
 
 A small Flax (linen) CNN learns the 8x8 handwritten digits that ship with
 scikit-learn (``sklearn.datasets.load_digits``: 1797 images, no download). The
-same model, initial parameters, seed, batches and optimizer are trained three
+same model, initial parameters, seed, batches and optimizer are trained four
 times:
 
 1. ``fp32``: float32 compute, the reference;
 2. ``fp16``: float16 compute, no loss scaling;
 3. ``fp16+jaxscale``: float16 compute, ``jxs.dynamic_scaling`` around the same
-   optimizer, in the stock ``flax.training.train_state.TrainState``.
+   optimizer, in the stock ``flax.training.train_state.TrainState``;
+4. ``fp16+autocast``: as 3, but the loss function is the plain float32 one of
+   run 1 (no cast written anywhere) wrapped in ``jxs.autocast``, which runs the
+   convolutions and matmuls in float16 and the cross-entropy in float32.
 
-The master parameters stay in float32 in every run. The loss function casts the
-parameters and the images to the compute dtype, so the forward and backward
-passes run in it, and reduces the cross-entropy (a mean over the batch) in
-float32. The setting favours underflow: a mean over the batch divides every
-per-example gradient by the batch size, the kernels start at 0.3 times the usual
-(LeCun) scale, and the optimizer is SGD with momentum, which (unlike Adam) does
-not rescale small gradients, so what float16 flushes to zero is simply lost.
+The master parameters stay in float32 in every run. In runs 1 to 3 the loss
+function casts the parameters and the images to the compute dtype, so the
+forward and backward passes run in it, and reduces the cross-entropy (a mean
+over the batch) in float32. The setting favours underflow: a mean over the
+batch divides every per-example gradient by the batch size, the kernels start at
+0.3 times the usual (LeCun) scale, and the optimizer is SGD with momentum, which
+(unlike Adam) does not rescale small gradients, so what float16 flushes to zero
+is simply lost.
 
 The script prints an accuracy table, then measures on one batch which fraction
 of the gradient elements that are non-zero in float32 come out of the float16
@@ -96,8 +100,18 @@ def load_data(seed: int, test_fraction: float = 0.25):
     return (x[train], y[train]), (x[test], y[test])
 
 
-def make_loss_fn(model: CNN, compute_dtype: Any) -> Callable:
-    """Cross-entropy, a mean over the batch: ``compute_dtype`` compute, f32 loss."""
+def make_loss_fn(model: CNN, compute_dtype: Any, autocast: bool = False) -> Callable:
+    """Cross-entropy, a mean over the batch: ``compute_dtype`` compute, f32 loss.
+
+    With ``autocast``, the float32 loss (no cast) under ``jxs.autocast``.
+    """
+    if autocast:
+
+        def plain(params, x, y):
+            logits = model.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        return jxs.autocast(plain, compute_dtype)
 
     def loss_fn(params, x, y):
         cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
@@ -117,9 +131,10 @@ def train(
     *,
     compute_dtype: Any,
     scaling: bool,
+    autocast: bool = False,
 ) -> dict[str, Any]:
     """Trains one run; returns its final state and per-step history."""
-    loss_fn = make_loss_fn(model, compute_dtype)
+    loss_fn = make_loss_fn(model, compute_dtype, autocast)
     # Constant, then a cosine decay to 0 over the last 30% of the steps: the runs
     # end calm, so their final accuracies can be compared.
     hold = int(0.7 * args.steps)
@@ -182,6 +197,7 @@ def train(
         "state": state,
         "compute_dtype": compute_dtype,
         "scaling": scaling,
+        "autocast": autocast,
         "loss": losses,
         "scale": scales,
         "finite": finite,
@@ -189,10 +205,14 @@ def train(
     }
 
 
-def accuracy(model, params, compute_dtype, x, y) -> float:
-    """Top-1 accuracy of ``params`` with the run's compute dtype."""
-    cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    logits = model.apply({"params": cast}, jnp.asarray(x, compute_dtype))
+def accuracy(model, params, compute_dtype, x, y, autocast=False) -> float:
+    """Top-1 accuracy of ``params`` with the run's compute dtype (and autocast)."""
+    if autocast:
+        apply = jxs.autocast(lambda p, x: model.apply({"params": p}, x), compute_dtype)
+        logits = jax.jit(apply)(params, jnp.asarray(x))
+    else:
+        cast = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        logits = model.apply({"params": cast}, jnp.asarray(x, compute_dtype))
     return float(jnp.mean(jnp.argmax(logits, axis=-1) == y))
 
 
@@ -255,18 +275,23 @@ def plot(runs, path: str) -> bool:
     ax_loss.set_title("training loss")
     ax_loss.legend()
 
-    scaled = next(r for r in runs if r["scaling"])
-    steps = np.arange(1, len(scaled["scale"]) + 1)
-    # The scale used on each step: the initial scale, then the state after it.
-    used = np.concatenate([[INIT_SCALE], scaled["scale"][:-1]])
-    ax_scale.step(steps, used, where="post", label="loss scale")
-    skipped = ~scaled["finite"]
-    ax_scale.plot(
-        steps[skipped], used[skipped], "rx", label=f"skipped ({skipped.sum()})"
-    )
+    for marker, scaled in zip("xo", [r for r in runs if r["scaling"]], strict=False):
+        steps = np.arange(1, len(scaled["scale"]) + 1)
+        # The scale used on each step: the initial scale, then the state after it.
+        used = np.concatenate([[INIT_SCALE], scaled["scale"][:-1]])
+        (line,) = ax_scale.step(steps, used, where="post", label=scaled["name"])
+        skipped = ~scaled["finite"]
+        ax_scale.plot(
+            steps[skipped],
+            used[skipped],
+            marker,
+            color=line.get_color(),
+            fillstyle="none",
+            label=f"{scaled['name']} skipped ({skipped.sum()})",
+        )
     ax_scale.set(xlabel="step", ylabel="loss scale", yscale="log")
     ax_scale.set_yscale("log", base=2)
-    ax_scale.set_title("fp16+jaxscale: loss scale")
+    ax_scale.set_title("loss scale")
     ax_scale.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -301,14 +326,24 @@ def main(argv: list[str] | None = None) -> None:
         f"(batch {args.batch_size}) per run on {jax.default_backend()}"
     )
 
-    settings = [
-        ("fp32", jnp.float32, False),
-        ("fp16", jnp.float16, False),
-        ("fp16+jaxscale", jnp.float16, True),
+    settings = [  # name, compute dtype, loss scaling, autocast
+        ("fp32", jnp.float32, False, False),
+        ("fp16", jnp.float16, False, False),
+        ("fp16+jaxscale", jnp.float16, True, False),
+        ("fp16+autocast", jnp.float16, True, True),
     ]
     runs = [
-        train(name, model, params, train_data, args, compute_dtype=dt, scaling=s)
-        for name, dt, s in settings
+        train(
+            name,
+            model,
+            params,
+            train_data,
+            args,
+            compute_dtype=dt,
+            scaling=s,
+            autocast=a,
+        )
+        for name, dt, s, a in settings
     ]
 
     print(
@@ -318,8 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     for run in runs:
         p = run["state"].params
         dt = run["compute_dtype"]
-        train_acc = accuracy(model, p, dt, *train_data)
-        test_acc = accuracy(model, p, dt, *test_data)
+        train_acc = accuracy(model, p, dt, *train_data, run["autocast"])
+        test_acc = accuracy(model, p, dt, *test_data, run["autocast"])
         run["test_acc"] = test_acc
         # The mean loss of the last 20 steps: per-batch losses are noisy.
         final_loss = float(np.mean(run["loss"][-20:]))
@@ -334,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     gap = 100 * (runs[2]["test_acc"] - runs[0]["test_acc"])
     print(f"fp16+jaxscale vs fp32 test accuracy: {gap:+.2f} points")
+    gap = 100 * (runs[3]["test_acc"] - runs[2]["test_acc"])
+    print(f"fp16+autocast vs fp16+jaxscale test accuracy: {gap:+.2f} points")
 
     # Underflow, on one batch: at the initial parameters with the initial scale,
     # and at the trained fp32 parameters with the final scale of fp16+jaxscale.

@@ -51,9 +51,10 @@ def _check_png(out: str) -> None:
 
 def _check_digits_cnn(out: str) -> None:
     # The accuracy table: one row per run, train and test accuracy in percent.
-    for run in ("fp32", "fp16", "fp16+jaxscale"):
+    for run in ("fp32", "fp16", "fp16+jaxscale", "fp16+autocast"):
         assert re.search(rf"^{re.escape(run)} +[\d.]+% +[\d.]+% ", out, re.M), out
     assert "fp16+jaxscale vs fp32 test accuracy:" in out
+    assert "fp16+autocast vs fp16+jaxscale test accuracy:" in out
     # Underflow at the initial parameters: the scale keeps what fp16 flushes.
     rows = re.findall(r"^initial +2\*\*(\d+) +([\d.]+)%", out, re.M)
     assert [r[0] for r in rows] == ["0", "16"], out
@@ -62,9 +63,10 @@ def _check_digits_cnn(out: str) -> None:
 
 
 def _check_char_transformer(out: str) -> None:
-    for run in ("fp32", "fp16+jaxscale"):
+    for run in ("fp32", "fp16+jaxscale", "fp16+autocast"):
         assert re.search(rf"^{re.escape(run)} +[\d.]+ +[\d.]+ ", out, re.M), out
     assert "fp16+jaxscale vs fp32 validation loss:" in out
+    assert "fp16+autocast vs fp16+jaxscale validation loss:" in out
     assert re.search(r"loss scale 2\*\*0 .*% flushed to zero", out), out
     _check_png(out)
 

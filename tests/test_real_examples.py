@@ -44,6 +44,9 @@ def test_digits_cnn_fp16_with_scaling_matches_fp32(tmp_path):
     gap = _number(r"fp16\+jaxscale vs fp32 test accuracy: ([-+\d.]+) points", out)
     assert abs(gap) <= 1.0, out
     assert _number(r"^fp16\+jaxscale +[\d.]+% +([\d.]+)%", out) >= 95.0, out
+    # The float32 model under jxs.autocast reaches the hand-cast float16 run.
+    auto = r"fp16\+autocast vs fp16\+jaxscale test accuracy: ([-+\d.]+) points"
+    assert abs(_number(auto, out)) <= 0.5, out
     # At the trained parameters float16 flushes gradient elements to zero, and
     # the final loss scale keeps most of them.
     unscaled = _number(r"^trained +2\*\*0 +([\d.]+)%", out)
@@ -57,3 +60,6 @@ def test_char_transformer_fp16_with_scaling_matches_fp32(tmp_path):
     gap = _number(r"fp16\+jaxscale vs fp32 validation loss: ([-+\d.]+) nats", out)
     assert abs(gap) <= 0.02, out
     assert _number(r"^fp16\+jaxscale +([\d.]+) ", out) < 2.2, out
+    # The float32 model under jxs.autocast: within 1% of the hand-cast run.
+    auto = r"fp16\+autocast vs fp16\+jaxscale validation loss: \S+ nats/char \((\S+)%\)"
+    assert abs(_number(auto, out)) <= 1.0, out
