@@ -15,7 +15,9 @@ Each step is a full jitted train step: ``jxs.value_and_grad`` (scaled loss),
 ``donate_argnums`` on params and optimizer state. The transformer has a third
 variant, ``hand_f16`` (Flax ``dtype=float16`` style: a float16 residual stream
 and float16 layer-norm outputs), to show what the choice of residual dtype
-costs; it is not the reference (and ``--quick`` leaves it out).
+costs; it is not the reference. Every model also has ``hand_again``, the
+``hand`` step compiled a second time: the noise floor of the clock. (``--quick``
+leaves both out.)
 
 Models: the MLP of the README's quickstart, made big enough to measure
 (4×Dense(1024) with ReLU, a 10-way head, batch 128, Flax linen); a CNN like
@@ -225,18 +227,30 @@ def _transformer_problem(vocab, seq, d, layers, heads, batch, seed, hand_f16):
 
 
 def make_problem(model: str, quick: bool, seed: int = 0):
-    """``({variant: loss_fn}, params, batch)`` for one model."""
+    """``({variant: loss_fn}, params, batch)`` for one model.
+
+    Beyond ``--quick``, ``hand_again`` is the hand-cast step compiled a second
+    time: its ratio to ``hand`` is the noise floor of the clock (same program,
+    other buffers, other moments).
+    """
     size = SIZES[model]["quick" if quick else "full"]
     rng = np.random.default_rng(seed)
     if model == "mlp":
         net = MLP(size["width"], size["depth"])
         x = rng.standard_normal((size["batch"], size["width"]))
-        return _linen_problem(net, x, seed)
-    if model == "cnn":
+        variants, params, batch = _linen_problem(net, x, seed)
+    elif model == "cnn":
         net = CNN(size["channels"], size["hidden"])
         s = size["image"]
-        return _linen_problem(net, rng.random((size["batch"], s, s, 3)), seed)
-    return _transformer_problem(**size, seed=seed, hand_f16=not quick)
+        x = rng.random((size["batch"], s, s, 3))
+        variants, params, batch = _linen_problem(net, x, seed)
+    else:
+        variants, params, batch = _transformer_problem(
+            **size, seed=seed, hand_f16=not quick
+        )
+    if not quick:
+        variants["hand_again"] = variants["hand"]
+    return variants, params, batch
 
 
 # --------------------------------------------------------------------------- #
