@@ -1,5 +1,7 @@
 """Every script in examples/ runs to completion with a small ``--steps``."""
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -71,8 +73,20 @@ def _check_char_transformer(out: str) -> None:
     _check_png(out)
 
 
+def _check_why_scaling(out: str) -> None:
+    # The summary table: every run with its mean and spread over the seeds.
+    for run in ("fp32", "fp16", "fp16+jaxscale", "bf16"):
+        assert re.search(rf"^{re.escape(run)} +[\d.]+ ± [\d.]+ \(", out, re.M), out
+    assert "activation gradients: fp16 backward, loss scale 1" in out
+    assert re.search(r"^L1\.scores +\d+ +1 ", out, re.M), out
+    assert re.search(r"^logits +\d+ +1 ", out, re.M), out
+    _check_png(out)
+    _check_why_scaling_json(out)
+
+
 # Extra checks of an example's output, by file name.
 CHECKS = {
+    "why_scaling.py": _check_why_scaling,
     "quickstart.py": _check_quickstart,
     "diagnostics.py": _check_diagnostics,
     "digits_cnn.py": _check_digits_cnn,
@@ -84,9 +98,95 @@ def test_there_are_examples():
     assert EXAMPLES / "quickstart.py" in SCRIPTS
 
 
+# Arguments beyond --steps 30, by file name (a smaller model where the default
+# would take minutes).
+ARGS = {
+    "why_scaling.py": [
+        *("--seeds", "2", "--context", "32", "--batch", "8", "--layers", "2"),
+        *("--eval-every", "10", "--eval-batches", "2", "--json", "metrics.json"),
+    ],
+}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_example_runs(script, tmp_path):
-    proc = _run(script, "--steps", "30", cwd=tmp_path)
+    proc = _run(script, "--steps", "30", *ARGS.get(script.name, []), cwd=tmp_path)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}{proc.stderr}"
     if script.name in CHECKS:
         CHECKS[script.name](proc.stdout)
+
+
+def _check_why_scaling_json(out: str) -> None:
+    """``--json`` holds every run and seed, the summary and the per-site
+    cotangent statistics; the scale leaves fewer small cotangents than none."""
+    path = Path(re.search(r"^metrics written to (.+\.json)$", out, re.M).group(1))
+    doc = json.loads(path.read_text())
+    runs = {(r["name"], r["seed"]) for r in doc["runs"]}
+    names = ("fp32", "fp16", "fp16+jaxscale", "bf16")
+    assert runs == {(n, s) for n in names for s in (0, 1)}
+    for r in doc["runs"]:
+        assert [v[0] for v in r["val"]] == [10, 20, 30]
+        assert r["final_val"] == r["val"][-1][1]
+        assert (r["final_scale"] == 1.0) == (r["name"] != "fp16+jaxscale")
+    assert set(doc["summary"]) == set(names)
+    assert doc["summary"]["fp32"]["gap_to_fp32_mean"] == 0.0
+    cot = doc["cotangents"]
+    assert cot["scale"] == doc["runs"][2]["final_scale"]
+    layer = ["attn", "mlp", "out", "scores"]  # sorted, as jit returns a dict
+    sites = [f"L{i}.{s}" for i in range(2) for s in layer] + ["logits"]
+    assert list(cot["fp32"]) == list(cot["unscaled"]) == list(cot["scaled"]) == sites
+    for site in sites:
+        exact, unscaled, scaled = (
+            cot["fp32"][site],
+            cot["unscaled"][site],
+            cot["scaled"][site],
+        )
+        for stats in (exact, unscaled, scaled):
+            assert stats["size"] > 0 and stats["calls"] == 1
+            for k in ("zero_fraction", "flush_fraction", "subnormal_fraction"):
+                assert 0.0 <= stats[k] <= 1.0
+        # float16 zeros include the exact ones (the causal mask of the scores).
+        assert unscaled["zero_fraction"] >= exact["zero_fraction"]
+        assert scaled["max_abs"] > unscaled["max_abs"]
+        assert scaled["subnormal_fraction"] <= unscaled["subnormal_fraction"]
+    # The mask: (t*t - t*(t+1)/2) / t*t of the scores' cotangent is exactly zero.
+    assert cot["fp32"]["L0.scores"]["zero_fraction"] == pytest.approx(31 / 64, abs=1e-3)
+
+
+def _why_scaling_module():
+    spec = importlib.util.spec_from_file_location(
+        "why_scaling", EXAMPLES / "why_scaling.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_why_scaling_docs_show_the_committed_default_run():
+    """docs/_static/why_scaling.json is a run at the script's defaults (four runs,
+    three seeds), and the README and docs/examples.md tables are made from it."""
+    why = _why_scaling_module()
+    root = EXAMPLES.parent
+    doc = json.loads((root / "docs" / "_static" / "why_scaling.json").read_text())
+    defaults = vars(why.parse_args([]))
+    assert doc["config"] == {
+        k: v for k, v in defaults.items() if k not in ("json", "out")
+    }
+    names = ("fp32", "fp16", "fp16+jaxscale", "bf16")
+    assert sorted((r["name"], r["seed"]) for r in doc["runs"]) == sorted(
+        (n, s) for n in names for s in range(3)
+    )
+    summary = {
+        n: {**row, "final_val": {int(k): v for k, v in row["final_val"].items()}}
+        for n, row in doc["summary"].items()
+    }
+    for n in names:  # the summary is the runs' final validation losses
+        finals = [r["final_val"] for r in doc["runs"] if r["name"] == n]
+        assert sorted(summary[n]["final_val"].values()) == sorted(finals)
+    runs, sites = why.markdown_tables(summary, doc["cotangents"]).split("\n\n")
+    readme = (root / "README.md").read_text()
+    examples = (root / "docs" / "examples.md").read_text()
+    for line in runs.splitlines():
+        assert line in readme and line in examples, line
+    for line in sites.splitlines():
+        assert line in examples, line
