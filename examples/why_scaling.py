@@ -30,6 +30,17 @@ every metric; a plot goes to ``--out``.
 Run it (about 5 minutes on a 2-core CPU)::
 
     python examples/why_scaling.py
+
+At this size float16 without a scale ends where float32 does. With the loss a
+mean over 32 x 256 tokens for 300 steps (about 3.5 minutes per run, 40 in all)
+it ends clearly worse; the runs can be split over several processes and
+merged afterwards without training again::
+
+    python examples/why_scaling.py --batch 32 --context 256 --steps 300 \
+        --runs fp32,fp16,fp16+jaxscale --json a.json
+    python examples/why_scaling.py --batch 32 --context 256 --steps 300 \
+        --runs bf16 --json b.json
+    python examples/why_scaling.py --from-json a.json b.json --json all.json
 """
 
 from __future__ import annotations
@@ -408,6 +419,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=4096, help="with --tokens word")
     parser.add_argument("--json", default=None, help="write the metrics here")
     parser.add_argument("--out", default="examples/out", help="folder for the plot")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="no training: merge the runs of earlier --json files (the same "
+        "settings, e.g. one file per run name), print the tables, write the plot "
+        "and, with --json, the merged metrics",
+    )
     cfg = parser.parse_args(argv)
     names = cfg.runs.split(",")
     if cfg.steps < 1 or cfg.seeds < 1:
@@ -418,8 +438,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cfg
 
 
+def merge(paths: list[str]) -> tuple[dict, list[dict], dict, float]:
+    """The settings, runs, cotangent statistics and seconds of earlier ``--json``
+    files, which must agree on every setting but ``runs`` and ``seeds``."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    ignore = ("runs", "seeds", "from_json")
+
+    def settings(doc: dict) -> dict:
+        return {k: v for k, v in doc["config"].items() if k not in ignore}
+
+    for path, doc in zip(paths[1:], docs[1:], strict=True):
+        if settings(doc) != settings(docs[0]):
+            differ = sorted(
+                k
+                for k in settings(doc).keys() | settings(docs[0]).keys()
+                if settings(doc).get(k) != settings(docs[0]).get(k)
+            )
+            raise SystemExit(
+                f"--from-json: {path} was run with other settings than {paths[0]} "
+                f"({', '.join(differ)}); merge only runs of the same experiment"
+            )
+    runs, seen = [], set()
+    for path, doc in zip(paths, docs, strict=True):
+        for r in doc["runs"]:
+            if (r["name"], r["seed"]) in seen:
+                raise SystemExit(
+                    f"--from-json: {path} repeats run {r['name']!r} seed {r['seed']}"
+                )
+            seen.add((r["name"], r["seed"]))
+            runs.append({**r, "val": [tuple(v) for v in r["val"]]})
+    runs.sort(key=lambda r: (r["seed"], RUNS.index(r["name"])))
+    cot = next((doc["cotangents"] for doc in docs if doc["cotangents"]), {})
+    config = {**docs[0]["config"], "seeds": len({r["seed"] for r in runs})}
+    config["runs"] = ",".join(n for n in RUNS if any(r["name"] == n for r in runs))
+    return config, runs, cot, float(sum(doc["seconds"] for doc in docs))
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    if cfg.from_json:
+        config, runs, cot, seconds = merge(cfg.from_json)
+        names = config["runs"].split(",")
+        report(cfg, config, runs, summarise(runs, names), cot, seconds)
+        return
     names = cfg.runs.split(",")
     text, _ = load_text()
     tokens, vocab = tokenize(text, cfg.tokens, cfg.vocab)
@@ -447,6 +511,38 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     summary = summarise(results, names)
+    cot = {}
+    scaled = [r for r in results if r["name"] == "fp16+jaxscale" and r["seed"] == 0]
+    if scaled:  # where float16 loses gradient, at the end of training
+        cot = underflow(scaled[0]["params"], data, cfg, float(scaled[0]["scale"][-1]))
+    runs = [
+        {
+            "name": r["name"],
+            "seed": r["seed"],
+            "val": r["val"],
+            "final_val": r["val"][-1][1],
+            "train_loss_last20": float(r["loss"][-20:].mean()),
+            "skipped": int((~r["finite"]).sum()),
+            "final_scale": float(r["scale"][-1]),
+            "seconds": r["seconds"],
+        }
+        for r in results
+    ]
+    config = {
+        k: v for k, v in vars(cfg).items() if k not in ("json", "out", "from_json")
+    }
+    report(cfg, config, runs, summary, cot, time.perf_counter() - start)
+
+
+def report(
+    cfg: argparse.Namespace,
+    config: dict,
+    runs: list[dict],
+    summary: dict,
+    cot: dict,
+    seconds: float,
+) -> None:
+    """Prints the summary and the markdown tables, writes ``--json`` and the plot."""
     print(
         f"\n{'run':<14} {'val loss, mean ± sd over seeds':>31} {'vs fp32 (paired)':>17}"
     )
@@ -454,34 +550,16 @@ def main(argv: list[str] | None = None) -> None:
         gap = f"{row['gap_to_fp32_mean']:+.4f}" if "gap_to_fp32_mean" in row else "-"
         per = " ".join(f"{row['final_val'][s]:.4f}" for s in sorted(row["final_val"]))
         print(f"{n:<14} {row['mean']:.4f} ± {row['std']:.4f} ({per}) {gap:>9}")
-
-    cot = {}
-    scaled = [r for r in results if r["name"] == "fp16+jaxscale" and r["seed"] == 0]
-    if scaled:  # where float16 loses gradient, at the end of training
-        cot = underflow(scaled[0]["params"], data, cfg, float(scaled[0]["scale"][-1]))
-    seconds = time.perf_counter() - start
     print("\nas markdown:\n" + markdown_tables(summary, cot))
     print(f"\n{seconds:.0f} s in all")
 
     if cfg.json:
         doc = {
-            "config": {k: v for k, v in vars(cfg).items() if k not in ("json", "out")},
+            "config": config,
             "versions": {"jax": jax.__version__, "jaxscale": jxs.__version__},
             "backend": jax.default_backend(),
             "seconds": seconds,
-            "runs": [
-                {
-                    "name": r["name"],
-                    "seed": r["seed"],
-                    "val": [list(v) for v in r["val"]],
-                    "final_val": r["val"][-1][1],
-                    "train_loss_last20": float(r["loss"][-20:].mean()),
-                    "skipped": int((~r["finite"]).sum()),
-                    "final_scale": float(r["scale"][-1]),
-                    "seconds": r["seconds"],
-                }
-                for r in results
-            ],
+            "runs": [{**r, "val": [list(v) for v in r["val"]]} for r in runs],
             "summary": summary,
             "cotangents": cot,
         }
@@ -490,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"metrics written to {os.path.abspath(cfg.json)}")
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "why_scaling.png")
-    if plot(results, cot, path):
+    if plot(runs, cot, path):
         print(f"plot saved to {os.path.abspath(path)}")
     else:
         print("no plot: matplotlib is not installed (pip install matplotlib)")

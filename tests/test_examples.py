@@ -162,16 +162,9 @@ def _why_scaling_module():
     return module
 
 
-def test_why_scaling_docs_show_the_committed_default_run():
-    """docs/_static/why_scaling.json is a run at the script's defaults (four runs,
-    three seeds), and the README and docs/examples.md tables are made from it."""
-    why = _why_scaling_module()
-    root = EXAMPLES.parent
-    doc = json.loads((root / "docs" / "_static" / "why_scaling.json").read_text())
-    defaults = vars(why.parse_args([]))
-    assert doc["config"] == {
-        k: v for k, v in defaults.items() if k not in ("json", "out")
-    }
+def _why_scaling_tables(why, doc: dict) -> tuple[list[str], list[str]]:
+    """The lines of the run table and the per-site table made from ``doc``,
+    after checking that its summary is its runs' final validation losses."""
     names = ("fp32", "fp16", "fp16+jaxscale", "bf16")
     assert sorted((r["name"], r["seed"]) for r in doc["runs"]) == sorted(
         (n, s) for n in names for s in range(3)
@@ -180,13 +173,88 @@ def test_why_scaling_docs_show_the_committed_default_run():
         n: {**row, "final_val": {int(k): v for k, v in row["final_val"].items()}}
         for n, row in doc["summary"].items()
     }
-    for n in names:  # the summary is the runs' final validation losses
+    for n in names:
         finals = [r["final_val"] for r in doc["runs"] if r["name"] == n]
         assert sorted(summary[n]["final_val"].values()) == sorted(finals)
     runs, sites = why.markdown_tables(summary, doc["cotangents"]).split("\n\n")
+    return runs.splitlines(), sites.splitlines()
+
+
+def test_why_scaling_docs_show_the_committed_runs():
+    """docs/_static/why_scaling.json is a run at the script's defaults and
+    why_scaling_32x256.json one at 32 x 256 tokens for 300 steps (four runs,
+    three seeds each); the README and docs/examples.md tables are made from
+    them."""
+    why = _why_scaling_module()
+    root = EXAMPLES.parent
+    static = root / "docs" / "_static"
     readme = (root / "README.md").read_text()
     examples = (root / "docs" / "examples.md").read_text()
-    for line in runs.splitlines():
-        assert line in readme and line in examples, line
-    for line in sites.splitlines():
-        assert line in examples, line
+    defaults = {
+        k: v
+        for k, v in vars(why.parse_args([])).items()
+        if k not in ("json", "out", "from_json")
+    }
+    large = {**defaults, "batch": 32, "context": 256, "steps": 300}
+    for name, config in (("why_scaling", defaults), ("why_scaling_32x256", large)):
+        doc = json.loads((static / f"{name}.json").read_text())
+        assert doc["config"] == config, name
+        assert (static / f"{name}.png").stat().st_size > 10_000
+        runs, sites = _why_scaling_tables(why, doc)
+        for line in runs:
+            assert line in readme and line in examples, (name, line)
+        for line in sites:
+            assert line in examples, (name, line)
+
+
+def _split_by_run(doc: dict, tmp_path: Path) -> list[str]:
+    """``doc`` as two --json files, as two partial runs of the script write them."""
+    paths = []
+    for i, names in enumerate((("fp32", "fp16+jaxscale"), ("fp16", "bf16"))):
+        part = {
+            **doc,
+            "config": {**doc["config"], "runs": ",".join(names)},
+            "runs": [r for r in doc["runs"] if r["name"] in names],
+            "cotangents": doc["cotangents"] if i == 0 else {},
+            "seconds": doc["seconds"] / 2,
+        }
+        paths.append(str(tmp_path / f"part{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(part))
+    return paths
+
+
+def test_why_scaling_from_json_merges_partial_runs(tmp_path, capsys):
+    """--from-json on the committed run split in two gives back its summary,
+    tables and cotangents without training, and a plot."""
+    why = _why_scaling_module()
+    committed = EXAMPLES.parent / "docs" / "_static" / "why_scaling.json"
+    doc = json.loads(committed.read_text())
+    merged = tmp_path / "merged.json"
+    paths = _split_by_run(doc, tmp_path)
+    why.main(["--from-json", *paths, "--json", str(merged), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    back = json.loads(merged.read_text())
+    assert back["config"] == doc["config"]
+    assert back["summary"] == doc["summary"]
+    assert back["cotangents"] == doc["cotangents"]
+    assert back["seconds"] == pytest.approx(doc["seconds"])
+    key = lambda r: (r["seed"], r["name"])  # noqa: E731
+    assert sorted(back["runs"], key=key) == sorted(doc["runs"], key=key)
+    runs, sites = _why_scaling_tables(why, doc)
+    for line in runs + sites:
+        assert line in out, line
+    assert (tmp_path / "why_scaling.png").stat().st_size > 10_000
+
+
+def test_why_scaling_from_json_refuses_to_mix_experiments(tmp_path):
+    why = _why_scaling_module()
+    committed = EXAMPLES.parent / "docs" / "_static" / "why_scaling.json"
+    doc = json.loads(committed.read_text())
+    a, b = _split_by_run(doc, tmp_path)
+    other = json.loads(Path(b).read_text())
+    other["config"]["context"] = 256
+    Path(b).write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"other settings .*\(context\)"):
+        why.main(["--from-json", a, b, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="repeats run 'fp32' seed 0"):
+        why.main(["--from-json", a, a, "--out", str(tmp_path)])
