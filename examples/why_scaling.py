@@ -434,7 +434,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps and --seeds must be >= 1, got {cfg.steps}, {cfg.seeds}.")
     if not names or not set(names) <= set(RUNS):
         parser.error(f"--runs must name some of {', '.join(RUNS)}, got {cfg.runs!r}.")
-
+    if cfg.from_json:  # the settings come from the files: say so, do not ignore
+        given = sorted(
+            f"--{k.replace('_', '-')}"
+            for k, v in vars(cfg).items()
+            if k not in ("json", "out", "from_json") and v != parser.get_default(k)
+        )
+        if given:
+            parser.error(
+                "--from-json takes its settings from the files; drop "
+                f"{', '.join(given)} (only --json and --out go with it)."
+            )
     return cfg
 
 
@@ -445,18 +455,14 @@ def merge(paths: list[str]) -> tuple[dict, list[dict], dict, float]:
     for path in paths:
         with open(path) as f:
             docs.append(json.load(f))
-    ignore = ("runs", "seeds", "from_json")
-
-    def settings(doc: dict) -> dict:
-        return {k: v for k, v in doc["config"].items() if k not in ignore}
-
+    first = docs[0]["config"]
     for path, doc in zip(paths[1:], docs[1:], strict=True):
-        if settings(doc) != settings(docs[0]):
-            differ = sorted(
-                k
-                for k in settings(doc).keys() | settings(docs[0]).keys()
-                if settings(doc).get(k) != settings(docs[0]).get(k)
-            )
+        differ = sorted(
+            k
+            for k in first.keys() | doc["config"].keys()
+            if k not in ("runs", "seeds") and first.get(k) != doc["config"].get(k)
+        )
+        if differ:
             raise SystemExit(
                 f"--from-json: {path} was run with other settings than {paths[0]} "
                 f"({', '.join(differ)}); merge only runs of the same experiment"

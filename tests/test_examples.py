@@ -258,3 +258,11 @@ def test_why_scaling_from_json_refuses_to_mix_experiments(tmp_path):
         why.main(["--from-json", a, b, "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="repeats run 'fp32' seed 0"):
         why.main(["--from-json", a, a, "--out", str(tmp_path)])
+
+
+def test_why_scaling_from_json_refuses_training_options(tmp_path, capsys):
+    why = _why_scaling_module()
+    with pytest.raises(SystemExit):
+        why.parse_args(["--from-json", "a.json", "--steps", "5", "--lr", "0.1"])
+    err = capsys.readouterr().err
+    assert "settings from the files; drop --lr, --steps" in err, err
