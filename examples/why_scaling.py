@@ -64,6 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from char_transformer import load_text, make_batches  # noqa: E402
 
 RUNS = ("fp32", "fp16", "fp16+jaxscale", "bf16")
+# Options that say where results go, not how to train: not part of a run's config.
+OUTPUT_OPTIONS = ("json", "out", "from_json")
 # run name -> (autocast dtype or None, dynamic loss scaling)
 SETTINGS = {
     "fp32": (None, False),
@@ -438,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = sorted(
             f"--{k.replace('_', '-')}"
             for k, v in vars(cfg).items()
-            if k not in ("json", "out", "from_json") and v != parser.get_default(k)
+            if k not in OUTPUT_OPTIONS and v != parser.get_default(k)
         )
         if given:
             parser.error(
@@ -534,9 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for r in results
     ]
-    config = {
-        k: v for k, v in vars(cfg).items() if k not in ("json", "out", "from_json")
-    }
+    config = {k: v for k, v in vars(cfg).items() if k not in OUTPUT_OPTIONS}
     report(cfg, config, runs, summary, cot, time.perf_counter() - start)
 
 

@@ -191,9 +191,7 @@ def test_why_scaling_docs_show_the_committed_runs():
     readme = (root / "README.md").read_text()
     examples = (root / "docs" / "examples.md").read_text()
     defaults = {
-        k: v
-        for k, v in vars(why.parse_args([])).items()
-        if k not in ("json", "out", "from_json")
+        k: v for k, v in vars(why.parse_args([])).items() if k not in why.OUTPUT_OPTIONS
     }
     large = {**defaults, "batch": 32, "context": 256, "steps": 300}
     for name, config in (("why_scaling", defaults), ("why_scaling_32x256", large)):
