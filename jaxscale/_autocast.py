@@ -28,21 +28,37 @@ from jaxscale._autocast_interp import (
     is_castable,
 )
 from jaxscale._autocast_rules import resolve_rules
+from jaxscale._policy import parse_float_dtype
 
 __all__ = ["autocast"]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
+_F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
+
+
+_SUPPORTED = "float16 ('float16', 'fp16', 'f16', 'half'), bfloat16 ('bf16')"
 
 
 def _check_dtype(dtype: Any) -> np.dtype:
+    """The autocast dtype: float16 or bfloat16, or float32 (autocast off)."""
     try:
-        dt = np.dtype(jnp.dtype(dtype))
-    except TypeError:
-        dt = None
-    if dt not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        dt = parse_float_dtype(dtype, "dtype")
+    except ValueError:
         raise ValueError(
-            "`dtype` must be a 16-bit floating dtype, `jnp.float16` or "
-            f"`jnp.bfloat16`, got {dtype!r}."
+            f"`dtype` must be {_SUPPORTED}, or float32 ('fp32': autocast off), "
+            f"got {dtype!r}."
+        ) from None
+    if dt.name.startswith("float8"):
+        raise ValueError(
+            f"`dtype`: float8 autocast ({dt.name}) is not supported yet: float8 "
+            "needs per-tensor scaling of every matmul's operands, which autocast "
+            f"does not do. Use {_SUPPORTED}, or float32 to switch autocast off; "
+            f"got {dtype!r}."
+        )
+    if dt not in (_F16, _BF16, _F32):
+        raise ValueError(
+            f"`dtype` must be {_SUPPORTED}, or float32 ('fp32': autocast off), "
+            f"got {dtype!r} ({dt.name})."
         )
     return dt
 
@@ -65,6 +81,7 @@ def autocast(
     *,
     rules: Mapping[Any, Any] | None = None,
     enabled: bool = True,
+    cast_outputs: bool = True,
 ) -> Callable[..., Any]:
     """Runs ``fun`` in mixed precision with per-operation dtypes, as torch.autocast.
 
@@ -72,30 +89,54 @@ def autocast(
     function with ``fun``'s signature that runs matrix multiplications and
     convolutions in ``dtype`` (output in ``dtype``, as torch does), and numerically
     sensitive operations in float32: ``exp``, ``log``, powers, ``rsqrt``, special
-    functions, and every sum or product, so softmax, log-softmax, norms and losses
-    come out in float32. Everything else runs in its inputs' dtype; an operation
-    that needs equal dtypes (``add``, ``concatenate``, ``select_n``...) promotes to
-    the widest of them, a scalar (``x * 2.0``) never widens an array, and a
-    float32 bias added to a matmul's output stays in ``dtype`` (torch's ``linear``
-    includes its bias), so a stack of ``Dense`` layers keeps low-precision
-    activations. Integers, booleans, PRNG keys and float64 values are never cast.
+    functions, and every sum or product, so softmax, log-softmax, norms' statistics
+    and losses are computed in float32. Everything else runs in its inputs' dtype;
+    an operation that needs equal dtypes (``add``, ``concatenate``, ``select_n``...)
+    promotes to the widest of them, with three exceptions that keep activations in
+    ``dtype``: a scalar (``x * 2.0``) never widens an array; a float32 bias added to
+    a matmul's output is cast to ``dtype`` (torch's ``linear`` includes its bias);
+    and an activation in ``dtype`` combined (``+ - * /``) with a float32 value
+    broadcast from fewer elements that is a parameter or a statistic (a norm's
+    mean, variance, scale and offset) is computed in float32 and rounded to
+    ``dtype``, as torch's ``batch_norm`` and Flax's ``dtype=float16`` do, so
+    BatchNorm, LayerNorm and what follows them (ReLU, pooling, residual adds) stay
+    in ``dtype``. Integers, booleans, PRNG keys and float64 values are never cast.
     :func:`autocast_rules` returns the table; ``docs/autocast.md`` compares it
     with torch's lists op by op.
 
+    Constants keep their meaning: a constant of ``fun`` (a literal such as
+    ``-1e9`` or ``jnp.finfo(jnp.float32).min``, a closed-over array, or a
+    broadcast of one) that is finite in float32 never becomes ``inf`` because
+    autocast narrowed it, and a non-zero scalar constant never becomes 0. In a
+    selection (``jnp.where``, ``maximum``, ``minimum``, ``clip``, ``pad``,
+    ``concatenate``) a constant beyond ``dtype``'s range saturates to its finite
+    extreme (a mask's ``finfo(float32).min`` becomes ``finfo(float16).min``, as
+    torch's ``finfo(scores.dtype).min`` idiom gives); anywhere else (``x * 1e5``,
+    ``p + 1e-8``) the operation runs in float32 instead.
+
     It works on any function that JAX can trace (plain functions, Flax linen and
-    NNX models, optax losses): ``fun`` is traced with :func:`jax.make_jaxpr` and the
-    jaxpr is evaluated with a cast before each primitive as its rule says, at trace
-    time, so under ``jit`` the compiled program is the one you would write by hand.
-    ``jit``, ``lax.scan``, ``while_loop``, ``cond``/``switch``, ``jax.checkpoint``,
-    ``custom_jvp``/``custom_vjp`` functions (their custom derivatives are kept),
-    ``shard_map`` and ``vmap`` (inside or outside) are all handled. A loop carry
-    keeps its dtype from one iteration to the next (the traced one, or the
-    incoming value's if wider), and ``cond`` branches agree on the widest. Array
-    arguments (``jax.Array``, NumPy) are traced; every other leaf of the arguments
-    (Python numbers, strings, callables) is passed as a constant. NNX modules
-    passed as arguments get their updated state back (BatchNorm statistics, RNG
-    counts), in their own dtypes. Outputs come out in the dtypes their last
-    operation gave them (logits in ``dtype``, a mean loss in float32), as in torch.
+    NNX models, equinox modules, optax losses): ``fun`` is traced with
+    :func:`jax.make_jaxpr` and the jaxpr is evaluated with a cast before each
+    primitive as its rule says, at trace time, so under ``jit`` the compiled program
+    is the one you would write by hand. ``jit``, ``lax.scan``, ``while_loop``,
+    ``cond``/``switch``, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp`` functions
+    (their custom derivatives are kept), ``shard_map`` and ``vmap`` (inside or
+    outside) are all handled. A loop carry keeps its dtype from one iteration to
+    the next (the traced one, or the incoming value's if wider), and ``cond``
+    branches agree on the widest. A first-order primitive autocast does not know
+    runs at its inputs' dtypes. Array arguments (``jax.Array``, NumPy) are traced;
+    every other leaf of the arguments (Python numbers, strings, callables) is
+    passed as a constant. NNX modules passed as arguments get their updated state
+    back (BatchNorm statistics, RNG counts), in their own dtypes.
+
+    The output contract: ``jax.eval_shape(jxs.autocast(fun), *args)`` equals
+    ``jax.eval_shape(fun, *args)``. Every output comes back in the dtype ``fun``
+    gives it, so state that ``fun`` threads through (Flax linen ``mutable=``
+    collections, an equinox ``State``, a carry) keeps its dtype from one call to
+    the next; a float16 result is cast back where ``fun`` returned float32 (under
+    ``jit`` XLA fuses that cast into its consumer). ``cast_outputs=False`` returns
+    outputs in the dtypes their last operation gave them (logits in ``dtype``, as
+    torch's autocast does), for code that wants them so.
 
     Differentiate the autocast function, not the other way round: in
     ``jax.grad(jxs.autocast(loss))`` the casts are ordinary ``convert_element_type``
@@ -106,29 +147,33 @@ def autocast(
     ``enabled=False`` runs ``fun`` exactly as traced (every operation in the dtype
     it was written for, its inputs cast back to them) even inside another
     ``autocast``, like torch's nested ``autocast(enabled=False)``; outside any
-    autocast it changes nothing. An ``autocast`` inside another uses its own
-    ``dtype`` and ``rules`` for its region.
+    autocast it changes nothing. ``dtype=jnp.float32`` means the same, so a
+    configuration can switch autocast off through its dtype. An ``autocast``
+    inside another uses its own ``dtype`` and ``rules`` for its region.
 
     Args:
       fun: the function. Without it, ``autocast`` returns a decorator:
         ``@jxs.autocast(dtype=jnp.bfloat16)``.
-      dtype: the low-precision dtype, ``jnp.float16`` (default, as torch's CUDA
-        autocast) or ``jnp.bfloat16``.
+      dtype: the low-precision dtype: float16 (default, as torch's CUDA
+        autocast; also ``"float16"``, ``"fp16"``, ``"f16"``, ``"half"``) or
+        bfloat16 (``"bfloat16"``, ``"bf16"``); float32 (``"float32"``,
+        ``"fp32"``) switches autocast off.
       rules: overrides of the table, from primitive names (``"exp"``, as in
         :func:`jax.make_jaxpr` output) or primitives (``jax.lax.exp_p``) to rule
         names (``"lower"``, ``"float32"``, ``"promote"``, ``"bias"``, ``"keep"``,
-        ``"traced"``) or :class:`AutocastRule` members. A primitive that is not in
-        the table runs as traced.
+        ``"traced"``) or :class:`AutocastRule` members.
       enabled: a Python bool; ``False`` runs ``fun`` at its traced dtypes.
+      cast_outputs: a Python bool; ``True`` (default) returns every output in
+        the dtype ``fun`` gives it, ``False`` in the dtype it was computed in.
 
     Returns:
       A function with ``fun``'s signature and output structure.
 
     Raises:
-      ValueError: if ``dtype`` is not float16 or bfloat16, or a rule is unknown
-        (see :func:`autocast_rules`).
-      TypeError: if ``fun`` is not callable, ``enabled`` is not a bool, or
-        ``rules`` is not a mapping.
+      ValueError: if ``dtype`` is not float16, bfloat16 or float32 (float8 is
+        not supported yet), or a rule is unknown (see :func:`autocast_rules`).
+      TypeError: if ``fun`` is not callable, ``enabled`` or ``cast_outputs`` is
+        not a bool, or ``rules`` is not a mapping.
 
     Warns:
       AutocastWarning: at trace time, for a higher-order primitive it cannot
@@ -142,27 +187,33 @@ def autocast(
       ...     return jax.nn.log_softmax(h @ params["w2"])
       >>> params = {"w1": jnp.ones((4, 8)), "b1": jnp.zeros(8), "w2": jnp.ones((8, 3))}
       >>> x = jnp.ones((2, 4))
-      >>> h16 = jxs.autocast(lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"][None]))
-      >>> h16(params, x).dtype  # matmul, bias add and relu in float16
-      dtype('float16')
-      >>> jxs.autocast(mlp)(params, x).dtype  # log_softmax in float32
+      >>> jxs.autocast(mlp)(params, x).dtype  # the output contract: as mlp's
       dtype('float32')
+      >>> h = lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"][None])
+      >>> jxs.autocast(h, cast_outputs=False)(params, x).dtype  # computed in
+      dtype('float16')
       >>> grads = jax.grad(lambda p: jxs.autocast(mlp)(p, x).sum())(params)
       >>> grads["w1"].dtype  # gradients in the parameters' dtype
       dtype('float32')
 
       Other dtypes and overrides:
 
-      >>> import functools
-      >>> bf16 = functools.partial(jxs.autocast, dtype=jnp.bfloat16)
-      >>> bf16(lambda a, b: a @ b)(x, params["w1"]).dtype
+      >>> mm = lambda a, b: a @ b
+      >>> jxs.autocast(mm, "bf16", cast_outputs=False)(x, params["w1"]).dtype
       dtype(bfloat16)
-      >>> jxs.autocast(jnp.exp, rules={"exp": "lower"})(x).dtype
+      >>> jxs.autocast(jnp.exp, rules={"exp": "lower"}, cast_outputs=False)(x).dtype
       dtype('float16')
+
+      Constants keep their meaning (float16's range ends at 65504):
+
+      >>> masked = lambda s, m: jnp.where(m, s @ s.T, jnp.finfo(jnp.float32).min)
+      >>> out = jxs.autocast(masked, cast_outputs=False)(x, jnp.eye(2, dtype=bool))
+      >>> out.dtype, float(out.min())
+      (dtype('float16'), -65504.0)
 
       A region at the traced dtypes:
 
-      >>> @jxs.autocast
+      >>> @jxs.autocast(cast_outputs=False)
       ... def scores(q, k):
       ...     exact = jxs.autocast(lambda q, k: q @ k.T, enabled=False)
       ...     return exact(q, k), q @ k.T
@@ -171,13 +222,21 @@ def autocast(
     """
     dt = _check_dtype(dtype)
     table = resolve_rules(rules)
-    if not isinstance(enabled, bool | np.bool_):
-        raise TypeError(
-            f"`enabled` must be a Python bool, got {type(enabled).__name__}: "
-            "autocast decides at trace time, so it cannot depend on a traced value."
-        )
+    for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(
+                f"`{name}` must be a Python bool, got {type(flag).__name__}: "
+                "autocast decides at trace time, so it cannot depend on a traced "
+                "value."
+            )
     if fun is None:
-        return functools.partial(autocast, dtype=dt, rules=rules, enabled=enabled)
+        return functools.partial(
+            autocast,
+            dtype=dt,
+            rules=rules,
+            enabled=enabled,
+            cast_outputs=cast_outputs,
+        )
     if not callable(fun):
         raise TypeError(
             f"`fun` must be callable, got {type(fun).__name__}; use "
@@ -187,15 +246,22 @@ def autocast(
 
     @functools.wraps(fun)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not enabled:
+        if not enabled or dt == _F32:
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
-        return _run(fun, Interpreter(dt, table, HANDLERS), args, kwargs)
+        it = Interpreter(dt, table, HANDLERS)
+        return _run(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
 
     return wrapper
 
 
-def _run(fun: Callable[..., Any], it: Interpreter, args: tuple, kwargs: dict) -> Any:
+def _run(
+    fun: Callable[..., Any],
+    it: Interpreter,
+    args: tuple,
+    kwargs: dict,
+    cast_outputs: bool = True,
+) -> Any:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     modules = [("a", i) for i, a in enumerate(args) if _is_nnx_object(a)]
@@ -223,6 +289,12 @@ def _run(fun: Callable[..., Any], it: Interpreter, args: tuple, kwargs: dict) ->
     with jax.named_scope(f"{REGION_PREFIX}_{it.dtype.name}"):
         outs, _ = it.eval_closed(closed, dyn, [input_info(x) for x in dyn])
     n_out = shapes["out"].num_leaves
+    # The output contract: every output in the dtype ``fun`` gives it.
+    if cast_outputs:
+        outs[:n_out] = [
+            cast(o, np.dtype(a.dtype)) if is_castable(dtype_of(o)) else o
+            for o, a in zip(outs[:n_out], closed.out_avals, strict=True)
+        ]
     result = jax.tree.unflatten(shapes["out"], outs[:n_out])
     start = n_out
     for (where, key), (tree, n) in zip(modules, shapes["states"], strict=True):

@@ -37,7 +37,9 @@ from jaxscale._autocast_interp import (
     Interpreter,
     cast,
     dtype_of,
+    fresh_info,
     is_castable,
+    size_of,
     trace,
     widest,
 )
@@ -52,7 +54,7 @@ def _has(params: Any, *keys: str) -> bool:
 
 
 def _default_infos(outs: Sequence[Any]) -> list[Info]:
-    return [Info(len(np.shape(o)), False, False) for o in outs]
+    return [fresh_info(o) for o in outs]
 
 
 def _retrace(
@@ -121,9 +123,9 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
     body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
     consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
     dts = _carry_dtypes(body.in_avals[nc : nc + nk], init)
-    carry_infos = [Info(len(np.shape(v)), False, False) for v in init]
+    carry_infos = [fresh_info(v) for v in init]
     x_infos = [
-        Info(len(np.shape(x)) - 1, i.param, False)
+        Info(len(np.shape(x)) - 1, i.param, False, size_of(x) // max(p["length"], 1))
         for x, i in zip(xs, infos[nc + nk :], strict=True)
     ]
     body_infos = [*infos[:nc], *carry_infos, *x_infos]
@@ -152,7 +154,7 @@ def _while(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Res
     cconsts, bconsts, init = vals[:cn], vals[cn : cn + bn], vals[cn + bn :]
     cinfos, binfos = infos[:cn], infos[cn : cn + bn]
     dts = _carry_dtypes(p["body_jaxpr"].in_avals[bn:], init)
-    carry_infos = [Info(len(np.shape(v)), False, False) for v in init]
+    carry_infos = [fresh_info(v) for v in init]
 
     def cond(carry: list[Any]) -> Any:
         outs, _ = it.eval_closed(

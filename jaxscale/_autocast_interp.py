@@ -35,8 +35,16 @@ __all__ = [
     "Interpreter",
     "REGION_PREFIX",
     "bind",
+    "Const",
+    "Record",
     "cast",
+    "const_fit",
+    "const_info",
     "dtype_of",
+    "fresh_info",
+    "input_info",
+    "saturate",
+    "size_of",
     "is_castable",
     "trace",
     "widest",
@@ -50,6 +58,9 @@ _CASTABLE = frozenset({_F16, _BF16, _F32})
 # function under ``enabled=False``): their equations run as traced.
 REGION_PREFIX = "jxs_autocast"
 Rule = AutocastRule
+# Constants larger than this are not read back at trace time (their values are
+# not checked against the narrow dtype's range).
+_MAX_CONST = 1 << 16
 
 
 class AutocastWarning(UserWarning):
@@ -69,16 +80,94 @@ class AutocastWarning(UserWarning):
     """
 
 
+class Const(NamedTuple):
+    """A value known when tracing: ``root`` (a literal or a constant of the
+    jaxpr) viewed through ``chain``, equations that keep its values (broadcasts,
+    reshapes, transposes, slices, float casts), so it can be replayed from a
+    changed root."""
+
+    root: Any  # a NumPy or a concrete JAX array
+    chain: tuple[Any, ...]
+
+
+class Record(NamedTuple):
+    """One first-order equation as autocast ran it (for observers)."""
+
+    eqn: Any
+    rule: AutocastRule
+    traced: tuple[Any, ...]  # operand dtypes when traced
+    operands: tuple[Any, ...]  # the operands it ran on (after the casts)
+    outs: tuple[Any, ...]
+    notes: tuple[str, ...]  # decisions about constants and normalisation
+
+
 class Info(NamedTuple):
     """What the interpreter knows about where a value came from."""
 
     src_rank: int  # rank of the array it was broadcast or reshaped from
     param: bool  # an input or constant of the function, or a view of one
     lowered: bool  # the output of a "lower" op, possibly reshaped
+    src_size: int = 0  # elements of the array it was broadcast from
+    stat: bool = False  # a reduction's result, or computed from reductions only
+    const: Const | None = None  # its values, when they are known at trace time
+
+
+def size_of(x: Any) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64))
+
+
+def fresh_info(x: Any) -> Info:
+    """A value computed by the function: no provenance."""
+    return Info(len(np.shape(x)), False, False, size_of(x))
 
 
 def input_info(x: Any) -> Info:
-    return Info(len(np.shape(x)), True, False)
+    return Info(len(np.shape(x)), True, False, size_of(x))
+
+
+def const_info(x: Any, param: bool = True) -> Info:
+    """A literal (``param=False``) or a constant of a jaxpr: its values are
+    known."""
+    root = None
+    if isinstance(x, np.ndarray | np.generic):
+        root = x
+    elif isinstance(x, jax.Array) and not isinstance(x, jcore.Tracer):
+        root = x if size_of(x) <= _MAX_CONST else None  # read back when needed
+    const = Const(root, ()) if root is not None and _floating(root.dtype) else None
+    return Info(len(np.shape(x)), param, False, size_of(x), False, const)
+
+
+def _values(const: Const, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.asarray(const.root).astype(dtype)
+
+
+def const_fit(const: Const, src: np.dtype, dst: np.dtype) -> str | None:
+    """Why ``const`` (in ``src``) does not survive a cast to ``dst``: ``"inf"``
+    (a finite value beyond ``dst``'s range), ``"zero"`` (a non-zero scalar that
+    rounds to 0), or ``None`` if it survives. Infinities and NaNs survive."""
+    v = _values(const, src)
+    with np.errstate(all="ignore"):
+        n = v.astype(dst)
+    if np.any(np.isfinite(v) & ~np.isfinite(n)):
+        return "inf"
+    if v.size == 1 and np.any((v != 0) & (n == 0)):
+        return "zero"
+    return None
+
+
+def saturate(const: Const, src: np.dtype, dst: np.dtype) -> Any:
+    """``const`` cast to ``dst`` with finite values clipped to ``dst``'s finite
+    range (infinities and NaNs kept), replayed through its chain."""
+    v = _values(const, src)
+    fi = jax.numpy.finfo(dst)
+    lo, hi = float(fi.min), float(fi.max)
+    with np.errstate(all="ignore"):
+        out: Any = np.where(np.isfinite(v), np.clip(v, lo, hi), v).astype(dst)
+    for eqn in const.chain:
+        if eqn.primitive.name != "convert_element_type":
+            out = bind(eqn.primitive, eqn.params, [out])[0]
+    return out
 
 
 def dtype_of(x: Any) -> Any:
@@ -177,6 +266,21 @@ _SAME_SOURCE = frozenset(
     | {"transpose"}
 )
 _SAME_PARAM = _SAME_SOURCE | {"dynamic_slice", "gather", "rev", "slice"}
+# Equations that keep a constant's values (a view, a subset, or a float cast):
+# a constant seen through them can be checked and replayed.
+_SAME_VALUES = (_SAME_PARAM - {"device_put", "dynamic_slice", "gather"}) | {
+    "rev",
+    "slice",
+}
+# Primitives whose output elements are copies of operand elements: a constant
+# that overflows the narrow dtype is a sentinel ("very negative") there, and
+# saturates to the dtype's finite extreme instead of widening the operation.
+_SELECTIONS = frozenset(
+    {"clamp", "concatenate", "dynamic_update_slice", "max", "min", "pad"}
+    | {"select_n", "scatter"}
+)
+_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_sum"})
+_ARITHMETIC = frozenset({"add", "sub", "mul", "div"})
 _SAME_LOWERED = frozenset(
     {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
     | {"transpose"}
@@ -202,6 +306,9 @@ class Interpreter:
         # Casts made in the jaxpr being evaluated, so that a value used by several
         # equations is cast once: id -> (value, dtype, cast value).
         self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+        # Called with a Record after each first-order equation (the report).
+        self.observer: Callable[[Record], None] | None = None
+        self._notes: list[str] = []
 
     def cast(self, x: Any, dtype: np.dtype) -> Any:
         if dtype_of(x) == dtype:
@@ -230,7 +337,7 @@ class Interpreter:
     ) -> tuple[list[Any], list[Info]]:
         env: dict[Any, tuple[Any, Info]] = {}
         for var, c in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = (c, input_info(c))
+            env[var] = (c, const_info(c))
         if infos is None:
             infos = [input_info(a) for a in args]
         for var, a, i in zip(jaxpr.invars, args, infos, strict=True):
@@ -241,7 +348,7 @@ class Interpreter:
                 val = atom.val
                 if not isinstance(val, jax.Array):
                     val = np.asarray(val, atom.aval.dtype)
-                return val, Info(len(np.shape(val)), False, False)
+                return val, const_info(val, param=False)
             return env[atom]
 
         for eqn in jaxpr.eqns:
@@ -284,17 +391,36 @@ class Interpreter:
                 return result
             self.warn(name, "its parameters are not the ones this version expects")
             rule = Rule.TRACED
+        traced = [v.aval.dtype for v in eqn.invars]
         if rule is None:
             if _has_subcomputations(eqn.params):
                 self.warn(name, "autocast does not know this higher-order primitive")
-            rule = Rule.TRACED
-        traced = [v.aval.dtype for v in eqn.invars]
+                rule = Rule.TRACED
+            else:  # unknown first-order primitive: at its inputs' dtypes
+                rule = Rule.PROMOTE
         if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
             return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
-        vals = self.cast_operands(rule, vals, infos, traced)
+        self._notes = []
+        vals, out_dtype = self.cast_operands(rule, name, vals, infos, traced)
         params = self.adjust_params(rule, eqn, vals, traced)
         outs = bind(eqn.primitive, params, vals)
-        return outs, self.out_infos(rule, name, eqn, infos, outs)
+        if out_dtype is not None:
+            outs = [
+                self.cast(o, out_dtype) if is_castable(dtype_of(o)) else o for o in outs
+            ]
+        out_infos = self.out_infos(rule, name, eqn, infos, outs)
+        if self.observer is not None:
+            self.observer(
+                Record(
+                    eqn,
+                    rule,
+                    tuple(traced),
+                    tuple(vals),
+                    tuple(outs),
+                    tuple(self._notes),
+                )
+            )
+        return outs, out_infos
 
     def warn(self, name: str, why: str) -> None:
         warnings.warn(
@@ -306,53 +432,115 @@ class Interpreter:
             stacklevel=2,
         )
 
+    def note(self, text: str) -> None:
+        self._notes.append(text)
+
     def cast_operands(
         self,
         rule: AutocastRule,
+        name: str,
         vals: list[Any],
         infos: list[Info],
         traced: list[np.dtype],
-    ) -> list[Any]:
+    ) -> tuple[list[Any], np.dtype | None]:
+        """The operands to bind, and the dtype the outputs are rounded to (or
+        ``None``: as they come)."""
         if rule is Rule.KEEP:
-            return vals
+            return vals, None
         if rule is Rule.TRACED:
             return [
                 self.cast(v, t) if _floating(dtype_of(v)) and _floating(t) else v
                 for v, t in zip(vals, traced, strict=True)
-            ]
-        if rule is Rule.LOWER or rule is Rule.FLOAT32:
-            target = self.dtype if rule is Rule.LOWER else _F32
+            ], None
+        if rule is Rule.FLOAT32:
+            vals = [self.cast(v, _F32) if is_castable(dtype_of(v)) else v for v in vals]
+        elif rule is Rule.LOWER:
+            target = self.dtype
+            for v, i in zip(vals, infos, strict=True):
+                misfit = self._misfit(v, i, target)
+                if misfit is not None:
+                    self.note(f"constant {misfit[1]}: runs in float32")
+                    target = _F32
+                    break
             vals = [
                 self.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals
             ]
-        elif rule is Rule.BIAS and self._is_bias_add(vals, infos):
-            vals = [self.cast(v, self.dtype) for v in vals]
-        return self._promote(vals, infos, traced)
+        elif rule is Rule.BIAS:
+            kind = self._bias_kind(name, vals, infos)
+            if kind == "bias":
+                return [self.cast(v, self.dtype) for v in vals], None
+            if kind == "norm":
+                self.note(
+                    f"{self.dtype.name} activation with a float32 "
+                    "statistic or parameter: computed in float32, "
+                    f"rounded to {self.dtype.name}"
+                )
+                return self._promote(name, vals, infos, traced), self.dtype
+        return self._promote(name, vals, infos, traced), None
 
-    def _is_bias_add(self, vals: list[Any], infos: list[Info]) -> bool:
-        """``low + bias`` or ``low - bias`` (either order): ``low`` in ``dtype``
-        from a "lower" op, ``bias`` a castable wider parameter of rank <= 1,
-        broadcast or reshaped."""
+    def _misfit(self, v: Any, info: Info, target: np.dtype) -> tuple[str, str] | None:
+        """Why the constant ``v`` does not survive a cast to ``target`` (see
+        :func:`const_fit`) and a description, or None (not a constant, not
+        narrowed, or it fits)."""
+        src = dtype_of(v)
+        if info.const is None or not is_castable(src):
+            return None
+        if not is_castable(target) or src.itemsize <= target.itemsize:
+            return None
+        why = const_fit(info.const, src, target)
+        if why is None:
+            return None
+        value = _values(info.const, src).ravel()[0] if size_of(v) else 0
+        what = "overflows to inf" if why == "inf" else "rounds to 0"
+        return why, f"{float(value):.6g} {what} in {np.dtype(target).name}"
+
+    def _bias_kind(self, name: str, vals: list[Any], infos: list[Info]) -> str | None:
+        """``"bias"``: ``low + bias`` or ``low - bias`` (either order), ``low`` in
+        ``dtype`` from a "lower" op, ``bias`` a castable wider parameter of rank
+        <= 1, broadcast or reshaped: the bias is cast to ``dtype`` (torch's
+        ``linear``). ``"norm"``: an activation in ``dtype`` combined with a wider
+        value broadcast from fewer elements that is a parameter, a statistic
+        (reductions of activations, as a norm's mean and variance) or a constant
+        that fits ``dtype``: computed at the wider dtype, rounded to ``dtype``
+        (torch's ``batch_norm``, Flax's ``dtype=float16``)."""
         if len(vals) != 2:
-            return False
-        for low, bias, lo_i, b_i in ((*vals, *infos), (*vals[::-1], *infos[::-1])):
+            return None
+        for k in (0, 1):
+            low, wide, lo_i, w_i = vals[k], vals[1 - k], infos[k], infos[1 - k]
+            if dtype_of(low) != self.dtype or not is_castable(dtype_of(wide)):
+                continue
+            if dtype_of(wide).itemsize <= self.dtype.itemsize:
+                continue
+            if self._misfit(wide, w_i, self.dtype) is not None:
+                return None
             if (
-                dtype_of(low) == self.dtype
+                name in ("add", "sub")
                 and lo_i.lowered
-                and is_castable(dtype_of(bias))
-                and dtype_of(bias).itemsize > self.dtype.itemsize
-                and b_i.param
-                and b_i.src_rank <= 1
+                and w_i.param
+                and w_i.src_rank <= 1
             ):
-                return True
-        return False
+                return "bias"
+            size = size_of(low)
+            if (
+                lo_i.src_size >= size > 1
+                and 1 < w_i.src_size < size_of(wide)
+                and (w_i.param or w_i.stat or w_i.const is not None)
+            ):
+                return "norm"
+        return None
 
     def _promote(
-        self, vals: list[Any], infos: list[Info], traced: list[np.dtype]
+        self,
+        name: str,
+        vals: list[Any],
+        infos: list[Info],
+        traced: list[np.dtype],
     ) -> list[Any]:
         """Operands that were traced with one floating dtype (so the primitive needs
         them equal) and now differ go to the widest; scalars decide only if all are
-        scalars (torch's rule for zero-dimensional tensors)."""
+        scalars (torch's rule for zero-dimensional tensors). A constant that would
+        not survive the narrowing (see :func:`const_fit`) widens the operation
+        instead, or, in a selection, saturates to the narrow dtype's range."""
         groups: dict[np.dtype, list[int]] = {}
         for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
             if _floating(dtype_of(v)) and _floating(t):
@@ -363,8 +551,23 @@ class Interpreter:
                 continue
             deciding = [i for i in idx if infos[i].src_rank > 0] or idx
             target = widest([dtype_of(vals[i]) for i in deciding])
+            saturated: dict[int, Any] = {}
             for i in idx:
-                out[i] = self.cast(vals[i], target)
+                misfit = self._misfit(vals[i], infos[i], target)
+                if misfit is None:
+                    continue
+                why, text = misfit
+                if name in _SELECTIONS and why == "inf":
+                    self.note(f"constant {text}: saturated to the finite range")
+                    src = dtype_of(vals[i])
+                    saturated[i] = saturate(infos[i].const, src, target)
+                else:
+                    self.note(f"constant {text}: runs in float32")
+                    target = widest([dtype_of(vals[j]) for j in idx])
+                    saturated = {}
+                    break
+            for i in idx:
+                out[i] = saturated[i] if i in saturated else self.cast(vals[i], target)
         return out
 
     def adjust_params(
@@ -402,21 +605,44 @@ class Interpreter:
         infos: list[Info],
         outs: list[Any],
     ) -> list[Info]:
+        floats = [
+            i for i, v in zip(infos, eqn.invars, strict=True) if _floating(v.aval.dtype)
+        ]
+        stat = False
+        if name in _REDUCTIONS:
+            stat = True
+        elif rule is not Rule.LOWER and any(i.stat for i in floats):
+            stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
         result = []
         for out in outs:
             shape = np.shape(out)
             src, param, lowered = len(shape), False, False
+            src_size, const = size_of(out), None
             if infos and name in _SAME_SOURCE:
                 first = infos[0]
                 same_rank = name != "reshape" or _nonunit(
                     eqn.invars[0].aval.shape
                 ) == _nonunit(shape)
                 src = first.src_rank if same_rank else src
+                src_size = first.src_size
             if infos and name in _SAME_PARAM:
                 param = infos[0].param
             if infos and name in _SAME_LOWERED:
                 lowered = infos[0].lowered
             if rule is Rule.LOWER:
                 lowered = dtype_of(out) == self.dtype
-            result.append(Info(min(src, len(shape)), param, lowered))
+            if infos and name in _SAME_VALUES and infos[0].const is not None:
+                if _floating(dtype_of(out)):
+                    c = infos[0].const
+                    const = Const(c.root, (*c.chain, eqn))
+            result.append(
+                Info(
+                    min(src, len(shape)),
+                    param,
+                    lowered,
+                    min(src_size, size_of(out)),
+                    stat and _floating(dtype_of(out)),
+                    const,
+                )
+            )
         return result

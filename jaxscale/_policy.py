@@ -19,16 +19,19 @@ __all__ = ["Policy", "cast_floating", "parse_float_dtype"]
 # Short names and aliases; any other name must be a floating dtype's own name.
 _ALIASES = {
     "f16": "float16",
+    "fp16": "float16",
     "half": "float16",
     "bf16": "bfloat16",
     "f32": "float32",
+    "fp32": "float32",
     "full": "float32",
     "single": "float32",
     "f64": "float64",
     "double": "float64",
 }
 _ACCEPTED = (
-    "float16 (f16, half), bfloat16 (bf16), float32 (f32, full, single), "
+    "float16 (f16, fp16, half), bfloat16 (bf16), float32 (f32, fp32, full, "
+    "single), "
     "float64 (f64, double), or another floating dtype's name such as float8_e4m3fn"
 )
 # Keys of `Policy.from_string`, with jmp's short forms.
