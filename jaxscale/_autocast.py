@@ -293,7 +293,7 @@ def _run(
     if cast_outputs:
         outs[:n_out] = [
             cast(o, np.dtype(a.dtype)) if is_castable(dtype_of(o)) else o
-            for o, a in zip(outs[:n_out], closed.out_avals, strict=True)
+            for o, a in zip(outs[:n_out], closed.out_avals[:n_out], strict=True)
         ]
     result = jax.tree.unflatten(shapes["out"], outs[:n_out])
     start = n_out

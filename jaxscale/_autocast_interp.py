@@ -400,6 +400,8 @@ class Interpreter:
                 rule = Rule.PROMOTE
         if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
             return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
+        if name == "integer_pow" and rule is Rule.KEEP and eqn.params["y"] < 0:
+            rule = Rule.FLOAT32  # x ** -n is a reciprocal: float32, as torch's
         self._notes = []
         vals, out_dtype = self.cast_operands(rule, name, vals, infos, traced)
         params = self.adjust_params(rule, eqn, vals, traced)
@@ -446,6 +448,17 @@ class Interpreter:
         """The operands to bind, and the dtype the outputs are rounded to (or
         ``None``: as they come)."""
         if rule is Rule.KEEP:
+            return vals, None
+        if rule is Rule.LOOKUP:
+            table, index = vals[0], vals[1]
+            if (
+                is_castable(dtype_of(table))
+                and dtype_of(table).itemsize > self.dtype.itemsize
+                and infos[0].param
+                and np.ndim(table) >= 2
+                and size_of(index) > 1
+            ):
+                return vals, self.dtype
             return vals, None
         if rule is Rule.TRACED:
             return [
@@ -523,7 +536,7 @@ class Interpreter:
             size = size_of(low)
             if (
                 lo_i.src_size >= size > 1
-                and 1 < w_i.src_size < size_of(wide)
+                and 1 < w_i.src_size < size
                 and (w_i.param or w_i.stat or w_i.const is not None)
             ):
                 return "norm"
@@ -613,11 +626,19 @@ class Interpreter:
             stat = True
         elif rule is not Rule.LOWER and any(i.stat for i in floats):
             stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
+        # Elementwise on broadcast operands (a statistic times a scale): the
+        # result holds no more distinct sources than its operands together.
+        elementwise = rule is not Rule.LOWER and name not in _REDUCTIONS
+        in_size = sum(i.src_size for i in infos) if elementwise else None
         result = []
         for out in outs:
             shape = np.shape(out)
             src, param, lowered = len(shape), False, False
             src_size, const = size_of(out), None
+            if in_size is not None and all(
+                len(getattr(v.aval, "shape", ())) in (0, len(shape)) for v in eqn.invars
+            ):
+                src_size = min(src_size, in_size)
             if infos and name in _SAME_SOURCE:
                 first = infos[0]
                 same_rank = name != "reshape" or _nonunit(

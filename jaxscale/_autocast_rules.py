@@ -63,6 +63,12 @@ class AutocastRule(enum.StrEnum):
       ``reduce_max``, ``sort``, collectives. An explicit ``convert_element_type`` in
       the function is kept as written; one that was a no-op when traced (a
       weak-type change) stays a no-op.
+    - ``LOOKUP`` (``"lookup"``): ``gather``. ``KEEP``, except that rows gathered
+      from a wider castable parameter table (an input or constant of the
+      function of rank >= 2, by an index array: an embedding lookup) are rounded
+      to ``dtype`` after the gather (the table itself is never cast), as Flax's
+      ``nn.Embed(dtype=float16)`` gives; so the residual stream of a transformer
+      starts in ``dtype``. torch's ``embedding`` returns float32.
     - ``TRACED`` (``"traced"``): castable operands are cast back to the dtypes they
       had when the function was traced, so the primitive runs exactly as written.
       Primitives missing from the table get this rule, so do regions under
@@ -81,6 +87,7 @@ class AutocastRule(enum.StrEnum):
     PROMOTE = "promote"
     BIAS = "bias"
     KEEP = "keep"
+    LOOKUP = "lookup"
     TRACED = "traced"
 
 
@@ -88,11 +95,12 @@ _LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")
 
 _FLOAT32 = (
     # Exponentials, logarithms, powers (torch CUDA: exp, expm1, log, log10, log2,
-    # log1p, pow, reciprocal, rsqrt). ``integer_pow`` and ``square`` are torch's pow.
+    # log1p, pow, reciprocal, rsqrt). ``square`` is torch's pow; ``integer_pow``
+    # is "keep" (a product: x ** 3 is x * x * x) except for negative exponents
+    # (reciprocals), which the interpreter runs in float32.
     "exp",
     "exp2",
     "expm1",
-    "integer_pow",
     "log",
     "log1p",
     "pow",
@@ -151,7 +159,6 @@ _PROMOTE = (
     "clamp",
     "complex",
     "concatenate",
-    "div",
     "dynamic_update_slice",
     "eq",
     "ge",
@@ -160,7 +167,6 @@ _PROMOTE = (
     "lt",
     "max",
     "min",
-    "mul",
     "ne",
     "nextafter",
     "pad",
@@ -176,7 +182,9 @@ _PROMOTE = (
     "select_n",
 )
 
-_BIAS = ("add", "sub")
+_BIAS = ("add", "div", "mul", "sub")
+
+_LOOKUP = ("gather",)
 
 _KEEP = (
     # Unary elementwise ops that torch runs in the input's dtype.
@@ -193,6 +201,7 @@ _KEEP = (
     "erfc",
     "floor",
     "imag",
+    "integer_pow",
     "is_finite",
     "logistic",
     "neg",
@@ -208,7 +217,6 @@ _KEEP = (
     "convert_element_type",
     "copy",
     "dynamic_slice",
-    "gather",
     "reshape",
     "rev",
     "slice",
@@ -266,6 +274,7 @@ _DEFAULT: dict[str, AutocastRule] = {
     **dict.fromkeys(_FLOAT32, AutocastRule.FLOAT32),
     **dict.fromkeys(_PROMOTE, AutocastRule.PROMOTE),
     **dict.fromkeys(_BIAS, AutocastRule.BIAS),
+    **dict.fromkeys(_LOOKUP, AutocastRule.LOOKUP),
     **dict.fromkeys(_KEEP, AutocastRule.KEEP),
     **dict.fromkeys(_TRACED, AutocastRule.TRACED),
 }
