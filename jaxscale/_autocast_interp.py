@@ -392,7 +392,8 @@ class Interpreter:
             self.warn(name, "its parameters are not the ones this version expects")
             rule = Rule.TRACED
         traced = [v.aval.dtype for v in eqn.invars]
-        if rule is None:
+        unknown = rule is None
+        if unknown:
             if _has_subcomputations(eqn.params):
                 self.warn(name, "autocast does not know this higher-order primitive")
                 rule = Rule.TRACED
@@ -403,9 +404,19 @@ class Interpreter:
         if name == "integer_pow" and rule is Rule.KEEP and eqn.params["y"] < 0:
             rule = Rule.FLOAT32  # x ** -n is a reciprocal: float32, as torch's
         self._notes = []
+        given = vals
         vals, out_dtype = self.cast_operands(rule, name, vals, infos, traced)
         params = self.adjust_params(rule, eqn, vals, traced)
-        outs = bind(eqn.primitive, params, vals)
+        try:
+            outs = bind(eqn.primitive, params, vals)
+        except (TypeError, ValueError) as e:
+            if not unknown or rule is Rule.TRACED:
+                raise
+            # An unknown primitive that refuses other dtypes runs as traced.
+            self.warn(name, f"it refused its inputs' dtypes: {e}")
+            rule = Rule.TRACED
+            vals, out_dtype = self.cast_operands(rule, name, given, infos, traced)
+            outs = bind(eqn.primitive, eqn.params, vals)
         if out_dtype is not None:
             outs = [
                 self.cast(o, out_dtype) if is_castable(dtype_of(o)) else o for o in outs
