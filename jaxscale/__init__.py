@@ -12,6 +12,9 @@ from jaxscale._accumulate import (
 )
 from jaxscale._autocast import autocast as autocast
 from jaxscale._autocast_interp import AutocastWarning as AutocastWarning
+from jaxscale._autocast_report import AutocastReport as AutocastReport
+from jaxscale._autocast_report import AutocastSite as AutocastSite
+from jaxscale._autocast_report import autocast_report as autocast_report
 from jaxscale._autocast_rules import AutocastRule as AutocastRule
 from jaxscale._autocast_rules import autocast_rules as autocast_rules
 from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
@@ -50,7 +53,9 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
+    "AutocastReport",
     "AutocastRule",
+    "AutocastSite",
     "AutocastWarning",
     "CompositionWarning",
     "CotangentStats",
@@ -67,6 +72,7 @@ __all__ = [
     "accumulate_value_and_grad",
     "all_finite",
     "autocast",
+    "autocast_report",
     "autocast_rules",
     "cast_floating",
     "clip_by_global_norm",

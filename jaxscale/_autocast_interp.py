@@ -131,7 +131,7 @@ def const_info(x: Any, param: bool = True) -> Info:
     root = None
     if isinstance(x, np.ndarray | np.generic):
         root = x
-    elif isinstance(x, jax.Array) and not isinstance(x, jcore.Tracer):
+    elif isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         root = x if size_of(x) <= _MAX_CONST else None  # read back when needed
     const = Const(root, ()) if root is not None and _floating(root.dtype) else None
     return Info(len(np.shape(x)), param, False, size_of(x), False, const)
@@ -280,6 +280,23 @@ _SELECTIONS = frozenset(
     | {"select_n", "scatter"}
 )
 _REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_sum"})
+# What a statistic may go through and stay one: the arithmetic of a mean, a
+# variance and its inverse square root, views and casts. Not logarithms or
+# exponentials: ``x - logsumexp(x)`` (log-softmax) is not a normalisation.
+_STAT_OPS = _SAME_SOURCE | {
+    "abs",
+    "add",
+    "div",
+    "integer_pow",
+    "max",
+    "min",
+    "mul",
+    "neg",
+    "rsqrt",
+    "sqrt",
+    "square",
+    "sub",
+}
 _ARITHMETIC = frozenset({"add", "sub", "mul", "div"})
 _SAME_LOWERED = frozenset(
     {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
@@ -635,7 +652,7 @@ class Interpreter:
         stat = False
         if name in _REDUCTIONS:
             stat = True
-        elif rule is not Rule.LOWER and any(i.stat for i in floats):
+        elif name in _STAT_OPS and any(i.stat for i in floats):
             stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
         # Elementwise on broadcast operands (a statistic times a scale): the
         # result holds no more distinct sources than its operands together.
