@@ -297,7 +297,7 @@ _STAT_OPS = _SAME_SOURCE | {
     "square",
     "sub",
 }
-_ARITHMETIC = frozenset({"add", "sub", "mul", "div"})
+
 _SAME_LOWERED = frozenset(
     {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
     | {"transpose"}
@@ -418,8 +418,10 @@ class Interpreter:
                 rule = Rule.PROMOTE
         if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
             return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
-        if name == "integer_pow" and rule is Rule.KEEP and eqn.params["y"] < 0:
-            rule = Rule.FLOAT32  # x ** -n is a reciprocal: float32, as torch's
+        if name == "integer_pow" and rule is Rule.KEEP:
+            y = eqn.params["y"]
+            if y == 2 or y < 0:  # a square or a reciprocal: float32, as torch's pow
+                rule = Rule.FLOAT32
         self._notes = []
         given = vals
         vals, out_dtype = self.cast_operands(rule, name, vals, infos, traced)

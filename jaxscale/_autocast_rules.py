@@ -43,23 +43,31 @@ class AutocastRule(enum.StrEnum):
       runs in ``dtype`` too. ``dot_general``, ``conv_general_dilated``,
       ``ragged_dot_general``: torch's ``lower_precision_fp`` list.
     - ``FLOAT32`` (``"float32"``): castable operands are cast to float32 and the
-      output is float32: ``exp``, ``log``, ``pow``, ``rsqrt``, special functions,
-      sums and products (``reduce_sum``, ``cumsum``, ...), linear algebra and FFTs:
-      torch's ``fp32`` lists.
+      output is float32: ``exp``, ``log``, ``pow``, ``square``, ``rsqrt``,
+      special functions, sums and products (``reduce_sum``, ``cumsum``, ...),
+      linear algebra and FFTs: torch's ``fp32`` lists.
     - ``PROMOTE`` (``"promote"``): for primitives whose floating operands must share
-      a dtype (``mul``, ``max``, ``select_n``, ``concatenate``, ``scatter``, ...):
+      a dtype (``max``, ``select_n``, ``concatenate``, ``scatter``, ...):
       when autocast has made them differ, all are cast to the widest of them
       (float16 with bfloat16 gives float32). As in torch's type promotion, a scalar
       operand (rank 0, a Python number, or an array broadcast from one, such as
       ``jnp.zeros(shape)``) only decides the dtype when every operand is a scalar:
       ``x16 * 2.0`` stays float16.
-    - ``BIAS`` (``"bias"``): ``add`` and ``sub``. ``PROMOTE``, except that the
-      output of a ``LOWER`` op (possibly reshaped) plus or minus a float32 value
-      broadcast from a vector or a scalar (a bias) runs in ``dtype``, as torch's
-      ``linear`` and ``conv`` include their bias. ``x @ w + y`` with a full-shape
-      float32 ``y`` is float32, as in torch.
+    - ``BIAS`` (``"bias"``): ``add``, ``sub``, ``mul``, ``div``. ``PROMOTE``,
+      except in two cases that keep activations in ``dtype``. The bias: the
+      output of a ``LOWER`` op (possibly reshaped) plus or minus a float32
+      parameter broadcast from a vector or a scalar runs in ``dtype``, as torch's
+      ``linear`` and ``conv`` include their bias. Normalisation: a full-size
+      activation in ``dtype`` combined with a float32 value broadcast from fewer
+      elements that is a statistic (computed by reductions, from parameters and
+      scalars only, not through ``log``/``exp``), a parameter or a constant runs
+      in float32 and its result is rounded to ``dtype``, as torch's
+      ``batch_norm`` and Flax's ``dtype=float16`` give. ``x @ w + y`` with a
+      full-shape float32 ``y`` is float32, as in torch.
     - ``KEEP`` (``"keep"``): run at the operands' current dtypes, nothing cast:
-      unary elementwise ops (``tanh``, ``logistic``, ``sqrt``, ...), shape ops,
+      unary elementwise ops (``tanh``, ``logistic``, ``sqrt``, ...), integer
+      powers ``x ** n`` for ``n >= 3`` (products; ``x ** 2`` and negative powers
+      run in float32, as torch's ``pow``), shape ops,
       ``reduce_max``, ``sort``, collectives. An explicit ``convert_element_type`` in
       the function is kept as written; one that was a no-op when traced (a
       weak-type change) stays a no-op.
@@ -96,8 +104,8 @@ _LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")
 _FLOAT32 = (
     # Exponentials, logarithms, powers (torch CUDA: exp, expm1, log, log10, log2,
     # log1p, pow, reciprocal, rsqrt). ``square`` is torch's pow; ``integer_pow``
-    # is "keep" (a product: x ** 3 is x * x * x) except for negative exponents
-    # (reciprocals), which the interpreter runs in float32.
+    # is "keep" (a product: x ** 3 is x * x * x) except for ``x ** 2`` (a square)
+    # and negative exponents (reciprocals), which the interpreter runs in float32.
     "exp",
     "exp2",
     "expm1",

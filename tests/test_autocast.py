@@ -56,19 +56,23 @@ def test_table_classes():
     assert lower == {"dot_general", "conv_general_dilated", "ragged_dot_general"}
     for name in ("exp", "log", "log1p", "expm1", "pow", "rsqrt", "reduce_sum"):
         assert table[name] == "float32", name
-    for name in ("reduce_prod", "cumsum", "cumlogsumexp", "erf_inv", "integer_pow"):
+    for name in ("reduce_prod", "cumsum", "cumlogsumexp", "erf_inv", "square"):
         assert table[name] == "float32", name
     for name in (
         "concatenate",
         "select_n",
-        "mul",
+        "max",
         "scatter-add",
         "dynamic_update_slice",
     ):
         assert table[name] == "promote", name
-    assert table["add"] == table["sub"] == "bias"
+    # add and sub: the bias rule and its norm case; mul and div: the norm case.
+    for name in ("add", "sub", "mul", "div"):
+        assert table[name] == "bias", name
     for name in ("tanh", "logistic", "reshape", "reduce_max", "convert_element_type"):
         assert table[name] == "keep", name
+    # x ** n is a product (x ** -n, a reciprocal, runs in float32 all the same).
+    assert table["integer_pow"] == "keep"
     assert table["bitcast_convert_type"] == "traced"
     # Higher-order primitives are recursed into, not looked up.
     assert not {"jit", "scan", "while", "cond", "custom_jvp_call"} & set(table)
@@ -107,10 +111,59 @@ def test_bad_rules(rules, error, match):
         jxs.autocast_rules(rules)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, "float64", "int16"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.int8, "float64", "int16", "f64", jnp.complex64, None, "fp8"]
+)
 def test_bad_dtype(dtype):
-    with pytest.raises(ValueError, match=r"`dtype` must be a 16-bit floating dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"`dtype` must be float16 \(.*'fp16'.*\), bfloat16 \(.*'bf16'.*\), "
+        r"or float32 \('fp32': autocast off\), got ",
+    ):
         jxs.autocast(jnp.exp, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, "float8_e5m2"])
+def test_float8_dtype_is_not_supported_yet(dtype):
+    with pytest.raises(ValueError, match=r"`dtype`: float8 autocast \(float8_e.*\) is"):
+        jxs.autocast(jnp.exp, dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [
+        (jnp.float16, F16),
+        ("float16", F16),
+        ("fp16", F16),
+        ("f16", F16),
+        ("half", F16),
+        (jnp.bfloat16, BF16),
+        ("bfloat16", BF16),
+        ("bf16", BF16),
+    ],
+)
+def test_dtype_aliases(dtype, expected):
+    fn = jxs.autocast(lambda x, w: x @ w, dtype, cast_outputs=False)
+    assert fn(X, W).dtype == expected
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, "float32", "fp32", np.float32])
+def test_float32_dtype_switches_autocast_off(dtype):
+    fn = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+    off = jxs.autocast(fn, dtype, cast_outputs=False)
+    assert off(X, W).dtype == F32
+    (d,) = eqns_named(off, "dot_general", X, W)
+    assert [v.aval.dtype for v in d.invars] == [F32, F32]
+    np.testing.assert_array_equal(off(X, W), fn(X, W))
+
+    # Inside another autocast it runs as traced, as enabled=False does.
+    @functools.partial(jxs.autocast, cast_outputs=False)
+    def f(x, w):
+        return off(x, w), fn(x, w)
+
+    assert [o.dtype for o in f(X, W)] == [F32, F16]
+    dots = eqns_named(f, "dot_general", X, W)
+    assert [d.invars[0].aval.dtype for d in dots] == [F32, F16]
 
 
 def test_bad_fun_and_enabled():
@@ -118,6 +171,8 @@ def test_bad_fun_and_enabled():
         jxs.autocast(3)
     with pytest.raises(TypeError, match=r"`enabled` must be a Python bool, got"):
         jxs.autocast(jnp.exp, enabled=jnp.array(True))
+    with pytest.raises(TypeError, match=r"`cast_outputs` must be a Python bool, got"):
+        jxs.autocast(jnp.exp, cast_outputs=jnp.array(True))
 
 
 def test_decorator_forms_and_signature():
@@ -125,12 +180,14 @@ def test_decorator_forms_and_signature():
         return (x @ w) * scale
 
     forms = [
+        jxs.autocast(f, cast_outputs=False),
+        jxs.autocast(dtype=jnp.float16, cast_outputs=False)(f),
+        functools.partial(jxs.autocast, dtype=jnp.bfloat16, cast_outputs=False)(f),
+        jxs.autocast(f, "bfloat16", cast_outputs=False),
         jxs.autocast(f),
-        jxs.autocast(dtype=jnp.float16)(f),
-        functools.partial(jxs.autocast, dtype=jnp.bfloat16)(f),
-        jxs.autocast(f, "bfloat16"),
+        jxs.autocast(dtype=jnp.bfloat16)(f),
     ]
-    dtypes = [F16, F16, BF16, BF16]
+    dtypes = [F16, F16, BF16, BF16, F32, F32]  # computed in; by default as f's
     for g, dt in zip(forms, dtypes, strict=True):
         assert g(X, W, scale=2.0).dtype == dt
         assert inspect.signature(g) == inspect.signature(f)
@@ -160,6 +217,7 @@ CASES = {
     "exp_of_input": (lambda x, w, b, y: jnp.exp(x), F32),
     "log1p": (lambda x, w, b, y: jnp.log1p(jnp.abs(x @ w)), F32),
     "square": (lambda x, w, b, y: jnp.square(x @ w), F32),
+    "reciprocal_power": (lambda x, w, b, y: (x @ w + 3.0) ** -2, F32),
     "rsqrt": (lambda x, w, b, y: lax.rsqrt(jnp.abs(x @ w) + 1.0), F32),
     "sum": (lambda x, w, b, y: jnp.sum(x @ w), F32),
     "mean": (lambda x, w, b, y: jnp.mean(x @ w, axis=0), F32),
@@ -173,6 +231,7 @@ CASES = {
     "relu": (lambda x, w, b, y: jax.nn.relu(x @ w), F16),
     "sigmoid": (lambda x, w, b, y: jax.nn.sigmoid(x @ w), F16),
     "gelu_exact": (lambda x, w, b, y: jax.nn.gelu(x @ w, approximate=False), F16),
+    "cube": (lambda x, w, b, y: (x @ w) ** 3, F16),  # integer_pow: a product
     # promote: scalars do not widen arrays, full-shape float32 operands do
     "times_python_scalar": (lambda x, w, b, y: (x @ w) * 2.0, F16),
     "times_rank0_input": (lambda x, w, b, y: (x @ w) * y[0, 0], F16),
@@ -187,11 +246,14 @@ CASES = {
     "bias_first": (lambda x, w, b, y: b[None] + x @ w, F16),
     "bias_sub": (lambda x, w, b, y: x @ w - b[None], F16),
     "bias_reshaped": (lambda x, w, b, y: x @ w + b.reshape(1, 8), F16),
-    "bias_then_bias": (lambda x, w, b, y: (x @ w + b[None]) + b[None], F32),
     "full_shape_add": (lambda x, w, b, y: x @ w + y, F32),
     "computed_vector_add": (lambda x, w, b, y: x @ w + jnp.sin(b)[None], F32),
-    "bias_on_tanh": (lambda x, w, b, y: jnp.tanh(x @ w) + b[None], F32),
-    "vector_times": (lambda x, w, b, y: (x @ w) * b[None], F32),
+    # norm: a float16 activation with a float32 parameter or statistic broadcast
+    # from fewer elements: computed in float32, rounded to float16
+    # (test_norm_case_computes_in_float32_and_rounds)
+    "bias_then_bias": (lambda x, w, b, y: (x @ w + b[None]) + b[None], F16),
+    "bias_on_tanh": (lambda x, w, b, y: jnp.tanh(x @ w) + b[None], F16),
+    "vector_times": (lambda x, w, b, y: (x @ w) * b[None], F16),
     "dense_relu_dense": (
         lambda x, w, b, y: jax.nn.relu(x @ w + b[None]) @ w + b[None],
         F16,
@@ -202,20 +264,52 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rule_dtypes_and_values(name):
     fn, expected = CASES[name]
-    out = jax.jit(jxs.autocast(fn))(X, W, B, Y)
-    assert out.dtype == expected
+    out = jax.jit(jxs.autocast(fn, cast_outputs=False))(X, W, B, Y)
+    assert out.dtype == expected  # the dtype the last operation computed
     ref = fn(X, W, B, Y)
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2
     )
+    # The output contract: by default, the dtype fn gives it, same values.
+    default = jax.jit(jxs.autocast(fn))(X, W, B, Y)
+    assert default.dtype == jax.eval_shape(fn, X, W, B, Y).dtype == F32
+    # (within one float16 rounding: the two programs are compiled differently)
+    np.testing.assert_allclose(default, np.asarray(out, F32), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "fn, op",
+    [
+        (lambda x, w, b: (x @ w + b[None]) + b[None], "add"),
+        (lambda x, w, b: jnp.tanh(x @ w) + b[None], "add"),
+        (lambda x, w, b: (x @ w) * b[None], "mul"),
+        (lambda x, w, b: (x @ w) / b[None], "div"),
+        (lambda x, w, b: (x @ w) - jnp.mean(x @ w, axis=1, keepdims=True), "sub"),
+    ],
+)
+def test_norm_case_computes_in_float32_and_rounds(fn, op):
+    """Unlike a bias (cast to float16, added in float16), a float32 parameter or
+    statistic combined with a float16 activation that is not a matmul's output
+    is combined in float32, and the result rounded to float16."""
+    g = jxs.autocast(fn, cast_outputs=False)
+    last = eqns_named(g, op, X, W, B)[-1]
+    assert [v.aval.dtype for v in last.invars] == [F32, F32]
+    assert g(X, W, B).dtype == F16
+    np.testing.assert_allclose(
+        np.asarray(g(X, W, B), np.float32), fn(X, W, B), rtol=2e-2, atol=2e-2
+    )
+    (bias,) = eqns_named(jxs.autocast(lambda x, w, b: x @ w + b[None]), "add", X, W, B)
+    assert [v.aval.dtype for v in bias.invars] == [F16, F16]
 
 
 def test_conv_and_its_bias():
     bias = jnp.arange(4.0)
-    out = jxs.autocast(lambda i, k, b: conv(i, k) + b[None, None, None])(IMG, KER, bias)
+    fn = lambda i, k, b: conv(i, k) + b[None, None, None]  # noqa: E731
+    out = jxs.autocast(fn, cast_outputs=False)(IMG, KER, bias)
     assert out.dtype == F16
     ref = conv(IMG, KER) + bias[None, None, None]
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    assert jxs.autocast(fn)(IMG, KER, bias).dtype == F32  # as fn gives it
     (c,) = eqns_named(jxs.autocast(conv), "conv_general_dilated", IMG, KER)
     assert [v.aval.dtype for v in c.invars] == [F16, F16]
 
@@ -232,25 +326,31 @@ def test_lower_ops_output_dtype_not_float32_accumulator():
 
 
 def test_a_value_used_twice_is_cast_once():
+    fn = lambda x, w, v: (x @ w, x @ v)  # noqa: E731
     converts = eqns_named(
-        jxs.autocast(lambda x, w, v: (x @ w, x @ v)), "convert_element_type", X, W, W
+        jxs.autocast(fn, cast_outputs=False), "convert_element_type", X, W, W
     )
     assert len(converts) == 3  # x once, w once, v once
+    converts = eqns_named(jxs.autocast(fn), "convert_element_type", X, W, W)
+    assert len(converts) == 5  # and each output back to float32
 
 
 def test_explicit_casts_are_kept_and_weak_type_changes_stay_no_ops():
     out = jxs.autocast(lambda x: jnp.tanh(x.astype(jnp.float16)) * 2.0)(X)
-    assert out.dtype == F16
+    assert out.dtype == F16  # as traced, so with or without cast_outputs
 
     def hand_cast(x, w):
         bf = jnp.bfloat16
         return (x.astype(bf) @ w.astype(bf)).astype(jnp.float32)
 
-    assert jxs.autocast(hand_cast)(X, W).dtype == F32  # a real cast: kept
+    # a real cast: kept
+    assert jxs.autocast(hand_cast, cast_outputs=False)(X, W).dtype == F32
     # A cast to the dtype a value already has when traced is no operation at
-    # all: autocast cannot see it (docs/autocast.md, pitfalls).
-    out = jxs.autocast(lambda x, w: (x @ w).astype(jnp.float32))(X, W)
-    assert out.dtype == F16
+    # all: autocast cannot see it (docs/autocast.md, pitfalls); only the output
+    # contract brings the result back to float32.
+    to32 = lambda x, w: (x @ w).astype(jnp.float32)  # noqa: E731
+    assert jxs.autocast(to32, cast_outputs=False)(X, W).dtype == F16
+    assert jxs.autocast(to32)(X, W).dtype == F32
 
     def scan_with_weak_carry(x, w):  # the carry's weak-type strip is a no-op
         return lax.scan(lambda c, r: (c + jnp.sum(r @ w), c), 0.0, x)
@@ -279,7 +379,7 @@ def test_integers_booleans_keys_and_float64_are_never_cast():
         x64, w64 = X.astype(jnp.float64), W.astype(jnp.float64)
         assert jxs.autocast(lambda x, w: x @ w)(x64, w64).dtype == F64
         assert jxs.autocast(lambda x: jnp.exp(x))(x64).dtype == F64
-        assert jxs.autocast(lambda x, w: x @ w)(X, W).dtype == F16
+        assert jxs.autocast(lambda x, w: x @ w, cast_outputs=False)(X, W).dtype == F16
 
 
 def test_outputs_keep_their_computed_dtype_and_structure():
@@ -289,19 +389,28 @@ def test_outputs_keep_their_computed_dtype_and_structure():
         return {"logits": h, "loss": jnp.mean(h**2), "n": x.shape[0]}
 
     params = {"w": W, "b": B}
-    out = jxs.autocast(f)(params, X, training=True, name="net")
+    out = jxs.autocast(f, cast_outputs=False)(params, X, training=True, name="net")
     assert set(out) == {"logits", "loss", "n"}
     assert out["logits"].dtype == F16 and out["loss"].dtype == F32
     assert int(out["n"]) == 4
+    # By default: the output contract, every output in the dtype f gives it.
+    out = jxs.autocast(f)(params, X, training=True, name="net")
+    assert set(out) == {"logits", "loss", "n"} and int(out["n"]) == 4
+    ref = jax.eval_shape(functools.partial(f, training=True, name="net"), params, X)
+    assert out["logits"].dtype == ref["logits"].dtype == F32
+    assert out["loss"].dtype == ref["loss"].dtype == F32
 
 
 def test_closures_over_arrays_and_tracers():
     @jax.jit
     def outer(w, x):
-        return jxs.autocast(lambda x: jnp.tanh(x @ w + B[None]))(x)  # w is a tracer
+        fn = lambda x: jnp.tanh(x @ w + B[None])  # noqa: E731  (w is a tracer)
+        return jxs.autocast(fn, cast_outputs=False)(x), jxs.autocast(fn)(x)
 
-    assert outer(W, X).dtype == F16
-    np.testing.assert_allclose(outer(W, X), jnp.tanh(X @ W + B[None]), atol=2e-2)
+    computed, default = outer(W, X)
+    assert computed.dtype == F16 and default.dtype == F32
+    np.testing.assert_allclose(default, computed.astype(F32), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(default, jnp.tanh(X @ W + B[None]), atol=2e-2)
 
 
 # --------------------------------------------------------------------------- #
@@ -312,7 +421,7 @@ def test_closures_over_arrays_and_tracers():
 def test_enabled_false_runs_at_the_traced_dtypes():
     exact = jxs.autocast(lambda a, w: jnp.exp(a @ w), enabled=False)
 
-    @jxs.autocast
+    @jxs.autocast(cast_outputs=False)
     def f(x, w):
         h = jnp.tanh(x @ w)  # float16
         return exact(h, w), h @ w
@@ -326,41 +435,63 @@ def test_enabled_false_runs_at_the_traced_dtypes():
 
 
 def test_nested_autocast_uses_its_own_dtype_and_a_reenabled_region_works():
-    inner = jxs.autocast(lambda x, w: x @ w, jnp.bfloat16)
+    inner = jxs.autocast(lambda x, w: x @ w, jnp.bfloat16, cast_outputs=False)
     off = jxs.autocast(lambda x, w: (x @ w, inner(x, w)), enabled=False)
 
-    @jxs.autocast
+    @jxs.autocast(cast_outputs=False)
     def f(x, w):
         return x @ w, inner(x, w), *off(x, w)
 
     assert [o.dtype for o in f(X, W)] == [F16, BF16, F32, BF16]
+    dots = eqns_named(f, "dot_general", X, W)
+    assert [d.invars[0].aval.dtype for d in dots] == [F16, BF16, F32, BF16]
+    # With the defaults every autocast returns what its function gives when
+    # traced: float32 everywhere here, though the matmuls run as above.
+    inner = jxs.autocast(lambda x, w: x @ w, jnp.bfloat16)
+    g = jxs.autocast(lambda x, w: (x @ w, inner(x, w), *off(x, w)))
+    assert [o.dtype for o in g(X, W)] == [F32, F32, F32, F32]
+    dots = eqns_named(g, "dot_general", X, W)
+    assert [d.invars[0].aval.dtype for d in dots] == [F16, BF16, F32, BF16]
 
 
 def test_rules_override_changes_one_primitive():
     fn = lambda x, w: jnp.exp(x @ w)  # noqa: E731
-    assert jxs.autocast(fn, rules={"exp": "keep"})(X, W).dtype == F16
-    assert jxs.autocast(fn, rules={"dot_general": "float32"})(X, W).dtype == F32
-    assert jxs.autocast(fn, rules={"exp": "traced"})(X, W).dtype == F32
-    out = jxs.autocast(lambda x, w: x @ w + B[None], rules={"add": "promote"})(X, W)
+    ac = functools.partial(jxs.autocast, cast_outputs=False)
+    assert ac(fn, rules={"exp": "keep"})(X, W).dtype == F16
+    assert ac(fn, rules={"dot_general": "float32"})(X, W).dtype == F32
+    assert ac(fn, rules={"exp": "traced"})(X, W).dtype == F32
+    assert ac(lambda x, w: x @ w + B[None])(X, W).dtype == F16  # the bias rule
+    out = ac(lambda x, w: x @ w + B[None], rules={"add": "promote"})(X, W)
     assert out.dtype == F32  # no bias rule
+    assert jxs.autocast(fn, rules={"exp": "keep"})(X, W).dtype == F32  # as fn's
 
 
-# A first-order primitive autocast does not know: it runs as traced.
+# A first-order primitive autocast does not know: it runs at its inputs' dtypes.
 _double_p = jcore.Primitive("jxs_test_double")
 _double_p.def_impl(lambda x: 2 * x)
 _double_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
 mlir.register_lowering(_double_p, mlir.lower_fun(lambda x: 2 * x, False))
 
 
-def test_unknown_primitive_runs_as_traced_or_as_told():
+def test_unknown_primitive_runs_at_its_inputs_dtypes_or_as_told():
     def f(x, w):
         return _double_p.bind(x @ w)
 
-    assert jxs.autocast(f)(X, W).dtype == F32  # input cast back to float32
-    (eqn,) = eqns_named(jxs.autocast(f), "jxs_test_double", X, W)
-    assert eqn.invars[0].aval.dtype == F32
-    assert jxs.autocast(f, rules={"jxs_test_double": "keep"})(X, W).dtype == F16
-    np.testing.assert_allclose(jxs.autocast(f)(X, W), 2 * X @ W, atol=2e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # first-order: no warning
+        ac = functools.partial(jxs.autocast, cast_outputs=False)
+        assert ac(f)(X, W).dtype == F16  # no cast: runs on the matmul's float16
+        (eqn,) = eqns_named(ac(f), "jxs_test_double", X, W)
+        assert eqn.invars[0].aval.dtype == F16
+        assert ac(f, rules={"jxs_test_double": "keep"})(X, W).dtype == F16
+        assert ac(f, rules={"jxs_test_double": "traced"})(X, W).dtype == F32
+        (eqn,) = eqns_named(
+            ac(f, rules={"jxs_test_double": "traced"}), "jxs_test_double", X, W
+        )
+        assert eqn.invars[0].aval.dtype == F32  # input cast back to float32
+        assert jxs.autocast(f)(X, W).dtype == F32  # the output contract
+        np.testing.assert_allclose(jxs.autocast(f)(X, W), 2 * X @ W, atol=2e-2)
+        assert ac(lambda x: _double_p.bind(x))(X).dtype == F32  # not narrowed
 
 
 def test_unknown_higher_order_primitive_warns_and_runs_as_traced():

@@ -50,14 +50,26 @@ def total(out):
     return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(out))
 
 
+def dtypes(tree):
+    return [leaf.dtype for leaf in jax.tree.leaves(tree)]
+
+
 def check(fn, *args, grads=True, dots=(("float16", "float16"),)):
-    """Forward values, forward and backward matmul dtypes, gradients."""
+    """Forward values, forward and backward matmul dtypes, gradients. Returns the
+    outputs in the dtypes they were computed in (``cast_outputs=False``); with
+    the default, they come back in the dtypes ``fn`` gives them."""
     cast = jxs.autocast(fn)
-    out, ref = jax.jit(cast)(*args), jax.jit(fn)(*args)
-    jax.tree.map(
-        lambda o, r: np.testing.assert_allclose(np.asarray(o, F32), r, **TOL), out, ref
-    )
-    assert dot_dtypes(cast, *args) == set(dots)
+    computed = jxs.autocast(fn, cast_outputs=False)
+    out, ref = jax.jit(computed)(*args), jax.jit(fn)(*args)
+    default = jax.jit(cast)(*args)
+    assert dtypes(default) == dtypes(jax.eval_shape(fn, *args))  # the contract
+    for o in (out, default):
+        jax.tree.map(
+            lambda o, r: np.testing.assert_allclose(np.asarray(o, F32), r, **TOL),
+            o,
+            ref,
+        )
+    assert dot_dtypes(cast, *args) == dot_dtypes(computed, *args) == set(dots)
     if not grads:
         return out
     argnums = tuple(range(len(args)))
@@ -117,9 +129,12 @@ def test_scan_carry_widens_to_the_incoming_dtype():
     x16 = X.astype(jnp.float16)
     carry, ys = fn(x16)
     assert carry.dtype == ys.dtype == F16
-    carry, ys = jxs.autocast(fn)(x16)
-    assert carry.dtype == ys.dtype == F32
+    carry, ys = jxs.autocast(fn, cast_outputs=False)(x16)
+    assert carry.dtype == ys.dtype == F32  # computed in float32 throughout
     np.testing.assert_allclose(carry, fn(x16)[0], **TOL)
+    carry, ys = jxs.autocast(fn)(x16)  # the output contract: as fn gives them
+    assert carry.dtype == ys.dtype == F16
+    np.testing.assert_allclose(np.asarray(carry, F32), fn(x16)[0], **TOL)
 
 
 def test_while_loop_forward_and_jvp():
@@ -209,7 +224,7 @@ def test_custom_jvp_rules_are_kept():
         ("relu", lambda x, w: jax.nn.relu(x @ w), F16),
         ("softmax", lambda x, w: jax.nn.softmax(x @ w), F32),
         ("log_softmax", lambda x, w: jax.nn.log_softmax(x @ w), F32),
-        ("gelu", lambda x, w: jax.nn.gelu(x @ w), F32),  # x**3 is a power
+        ("gelu", lambda x, w: jax.nn.gelu(x @ w), F16),  # x**3: integer_pow, keep
         ("gelu_exact", lambda x, w: jax.nn.gelu(x @ w, approximate=False), F16),
         ("logsumexp", lambda x, w: jax.nn.logsumexp(x @ w, axis=1), F32),
         ("silu", lambda x, w: jax.nn.silu(x @ w), F16),
@@ -232,8 +247,10 @@ def test_custom_vjp_rules_are_kept_and_their_backward_runs_in_float16():
         return 0.5 * (g @ w.T), x.T @ g  # deliberately half the input gradient
 
     project.defvjp(fwd, bwd)
-    cast = jxs.autocast(lambda x, w: jnp.tanh(project(x, w)))
-    assert cast(X, W).dtype == F16
+    fn = lambda x, w: jnp.tanh(project(x, w))  # noqa: E731
+    cast = jxs.autocast(fn)
+    assert jxs.autocast(fn, cast_outputs=False)(X, W).dtype == F16
+    assert cast(X, W).dtype == F32  # the output contract
     gx, gw = jax.grad(lambda x, w: total(cast(x, w)), (0, 1))(X, W)
     ref = jax.grad(lambda x, w: total(jnp.tanh(x @ w)), (0, 1))(X, W)
     assert gx.dtype == gw.dtype == F32
@@ -282,9 +299,14 @@ def test_vmap_inside_and_outside():
         lambda x, w, b: jax.vmap(per_example, (0, None, None))(x, w, b), X, W, B
     )
     assert inside.dtype == F16
-    outside = jax.vmap(jxs.autocast(per_example), (0, None, None))(X, W, B)
+    outside = jax.vmap(jxs.autocast(per_example, cast_outputs=False), (0, None, None))(
+        X, W, B
+    )
     assert outside.dtype == F16
     np.testing.assert_allclose(outside, inside, **TOL)
+    default = jax.vmap(jxs.autocast(per_example), (0, None, None))(X, W, B)
+    assert default.dtype == F32
+    np.testing.assert_allclose(default, outside.astype(F32), rtol=1e-3, atol=1e-3)
     g = jax.grad(
         lambda w: total(jax.vmap(jxs.autocast(per_example), (0, None, None))(X, w, B))
     )(W)

@@ -48,10 +48,11 @@ def test_transformer_block_matmuls_in_float16_sums_in_float32():
     def loss(params, x):
         return jnp.mean(model.apply(params, x) ** 2)
 
-    out = jax.jit(jxs.autocast(model.apply))(params, x)
+    out = jax.jit(jxs.autocast(model.apply, cast_outputs=False))(params, x)
     assert out.dtype == F32  # the residual stream: x + float16
     ref = jax.jit(model.apply)(params, x)
     np.testing.assert_allclose(out, ref, rtol=5e-2, atol=5e-2)
+    assert jax.eval_shape(jxs.autocast(model.apply), params, x).dtype == F32
     for fn in (jxs.autocast(loss), jax.grad(jxs.autocast(loss))):
         eqns = list(all_eqns(jax.make_jaxpr(fn)(params, x)))
         dots = [e for e in eqns if e.primitive.name == "dot_general"]
@@ -160,7 +161,7 @@ def test_nnx_module_argument_gets_its_state_back_outside_grad():
     x, _ = regression_data(16)
     model = Net(nnx.Rngs(0, dropout=1))
     ref = Net(nnx.Rngs(0, dropout=1))
-    out = jxs.autocast(lambda m, x: m(x))(model, x)
+    out = jxs.autocast(lambda m, x: m(x), cast_outputs=False)(model, x)
     ref_out = ref(x)
     assert out.dtype == F16  # the last Linear's output, bias included
     np.testing.assert_allclose(out, ref_out, rtol=5e-2, atol=5e-2)
@@ -169,6 +170,13 @@ def test_nnx_module_argument_gets_its_state_back_outside_grad():
     )
     assert model.bn.mean.dtype == F32
     assert int(model.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == 1
+    # By default the output comes back in the dtype the model gives it; the
+    # state is written back the same way.
+    out, ref_out = jxs.autocast(lambda m, x: m(x))(model, x), ref(x)
+    assert out.dtype == ref_out.dtype == F32
+    np.testing.assert_allclose(out, ref_out, rtol=5e-2, atol=5e-2)
+    assert model.bn.mean.dtype == F32
+    assert int(model.drop.rngs.count[...]) == int(ref.drop.rngs.count[...]) == 2
     # A pure call writes nothing back.
     model.eval()
     before = jax.tree.leaves(nnx.state(model))

@@ -31,6 +31,7 @@ F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32"
         ("param=full,compute=half,out=single", (F32, F16, F32)),
         (" Params = F32 , Compute=BF16 ", (F32, BF16, F32)),
         ("compute=f16", (F32, F16, F32)),  # missing keys: float32
+        ("params=fp32,compute=fp16", (F32, F16, F32)),  # torch-style aliases
         ("o=f16", (F32, F32, F16)),
         ("bfloat16", (BF16, BF16, BF16)),  # one dtype: all three
         ("f16", (F16, F16, F16)),
@@ -72,8 +73,11 @@ def test_constructor_takes_dtypes_and_names():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        ("params=float32,compute=fp16", r"`compute` must be a floating dtype.*'fp16'"),
-        ("c=int8", r"`c` must be a floating dtype: float16 \(f16, half\).*'int8'"),
+        ("params=float32,compute=fp8", r"`compute` must be a floating dtype.*'fp8'"),
+        (
+            "c=int8",
+            r"`c` must be a floating dtype: float16 \(f16, fp16, half\).*'int8'",
+        ),
         ("compute=float", r"`compute` must be a floating dtype.*'float'"),
         ("weights=f32", r"Unknown key 'weights'.*params \(param, p\), compute \(c\)"),
         ("p=f32,params=f16", r"sets params twice \(key 'params'\)"),
