@@ -514,12 +514,26 @@ class Interpreter:
                 return [self.cast(v, self.dtype) for v in vals], None
             if kind == "norm":
                 self.note(
-                    f"{self.dtype.name} activation with a float32 "
-                    "statistic or parameter: computed in float32, "
-                    f"rounded to {self.dtype.name}"
+                    f"float32 statistic or parameter applied to a {self.dtype.name} "
+                    f"activation: cast to {self.dtype.name}, saturating"
                 )
-                return self._promote(name, vals, infos, traced), self.dtype
+                return [self.saturating_cast(v, self.dtype) for v in vals], None
         return self._promote(name, vals, infos, traced), None
+
+    def saturating_cast(self, x: Any, dtype: np.dtype) -> Any:
+        """``x`` in ``dtype``, its finite values clipped to ``dtype``'s finite
+        range (a statistic such as ``rsqrt(var + eps)`` may exceed float16's);
+        infinities and NaNs are kept."""
+        src = dtype_of(x)
+        if src == dtype or src.itemsize <= np.dtype(dtype).itemsize:
+            return self.cast(x, dtype)
+        fi = jax.numpy.finfo(dtype)
+        lo, hi = np.asarray(fi.min, src), np.asarray(fi.max, src)
+        if isinstance(x, np.ndarray | np.generic):
+            with np.errstate(all="ignore"):
+                return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
+        clipped = lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
+        return self.cast(clipped, dtype)
 
     def _misfit(self, v: Any, info: Info, target: np.dtype) -> tuple[str, str] | None:
         """Why the constant ``v`` does not survive a cast to ``target`` (see
@@ -544,8 +558,9 @@ class Interpreter:
         ``linear``). ``"norm"``: an activation in ``dtype`` combined with a wider
         value broadcast from fewer elements that is a parameter, a statistic
         (reductions of activations, as a norm's mean and variance) or a constant
-        that fits ``dtype``: computed at the wider dtype, rounded to ``dtype``
-        (torch's ``batch_norm``, Flax's ``dtype=float16``)."""
+        that fits ``dtype``: the wider value is cast to ``dtype`` (saturating) and
+        the operation runs in ``dtype``, so the activation stays in ``dtype`` as
+        with torch's ``batch_norm`` and Flax's ``dtype=float16``."""
         if len(vals) != 2:
             return None
         for k in (0, 1):
