@@ -292,7 +292,7 @@ def _run(
     # The output contract: every output in the dtype ``fun`` gives it.
     if cast_outputs:
         outs[:n_out] = [
-            cast(o, np.dtype(a.dtype)) if is_castable(dtype_of(o)) else o
+            _as_traced(o, a)
             for o, a in zip(outs[:n_out], closed.out_avals[:n_out], strict=True)
         ]
     result = jax.tree.unflatten(shapes["out"], outs[:n_out])
@@ -304,6 +304,20 @@ def _run(
         module = (args if where == "a" else kwargs)[key]
         _write_back(module, tree, new, traced)
     return result
+
+
+def _as_traced(x: Any, aval: Any) -> Any:
+    """``x`` in the dtype, and weak type, ``fun`` gave it when traced (an
+    equinox counter ``jnp.array(0) + 1`` stays weakly typed, so a jitted step
+    that threads it back does not retrace)."""
+    if is_castable(dtype_of(x)):
+        x = cast(x, np.dtype(aval.dtype))
+    weak = getattr(aval, "weak_type", False)
+    if weak and dtype_of(x) == aval.dtype and not jax.typeof(x).weak_type:
+        from jax._src.lax import lax as lax_internal
+
+        x = lax_internal._convert_element_type(x, aval.dtype, weak_type=True)
+    return x
 
 
 def _nnx_state(module: Any) -> Any:

@@ -73,6 +73,18 @@ def _check_char_transformer(out: str) -> None:
     _check_png(out)
 
 
+def _check_padded_lm(out: str) -> None:
+    # Padded attention under autocast: finite, no step skipped (the mask constant
+    # saturates instead of becoming -inf).
+    for run in ("fp32", "fp16-autocast"):
+        row = re.search(
+            rf"^{re.escape(run)} +(\S+) +(\S+) +(\S+) +(\d+)/30 ", out, re.M
+        )
+        assert row, out
+        assert all(0 < float(v) < 10 for v in row.groups()[:3]), row.group(0)
+        assert row.group(4) == "0", row.group(0)
+
+
 def _check_why_scaling(out: str) -> None:
     # The summary table: every run with its mean and spread over the seeds.
     for run in ("fp32", "fp16", "fp16+jaxscale", "bf16"):
@@ -91,6 +103,7 @@ CHECKS = {
     "diagnostics.py": _check_diagnostics,
     "digits_cnn.py": _check_digits_cnn,
     "char_transformer.py": _check_char_transformer,
+    "padded_lm.py": _check_padded_lm,
 }
 
 
@@ -101,6 +114,11 @@ def test_there_are_examples():
 # Arguments beyond --steps 30, by file name (a smaller model where the default
 # would take minutes).
 ARGS = {
+    "padded_lm.py": [
+        *("--runs", "fp32,fp16-autocast", "--context", "16", "--dim", "16"),
+        *("--layers", "1", "--heads", "2", "--mlp-dim", "32", "--batch", "4"),
+        *("--eval-batches", "1", "--eval-every", "30"),
+    ],
     "why_scaling.py": [
         *("--seeds", "2", "--context", "32", "--batch", "8", "--layers", "2"),
         *("--eval-every", "10", "--eval-batches", "2", "--json", "metrics.json"),
