@@ -28,6 +28,26 @@ from jax import lax
 from jax.extend import core as jcore
 
 from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
+from jaxscale._autocast_values import (
+    SELECTIONS,
+    Const,
+    Info,
+    bind,
+    cast,
+    const_fit,
+    const_info,
+    const_values,
+    dtype_of,
+    floating,
+    fresh_info,
+    input_info,
+    is_castable,
+    provenance,
+    saturate,
+    size_of,
+    trace,
+    widest,
+)
 
 __all__ = [
     "AutocastWarning",
@@ -50,17 +70,11 @@ __all__ = [
     "widest",
 ]
 
-_F16, _BF16, _F32 = (
-    np.dtype(jax.numpy.dtype(d)) for d in ("float16", "bfloat16", "float32")
-)
-_CASTABLE = frozenset({_F16, _BF16, _F32})
+_F32 = np.dtype("float32")
 # Named-scope prefix of regions another autocast owns (an inner autocast, or a
 # function under ``enabled=False``): their equations run as traced.
 REGION_PREFIX = "jxs_autocast"
 Rule = AutocastRule
-# Constants larger than this are not read back at trace time (their values are
-# not checked against the narrow dtype's range).
-_MAX_CONST = 1 << 16
 
 
 class AutocastWarning(UserWarning):
@@ -80,16 +94,6 @@ class AutocastWarning(UserWarning):
     """
 
 
-class Const(NamedTuple):
-    """A value known when tracing: ``root`` (a literal or a constant of the
-    jaxpr) viewed through ``chain``, equations that keep its values (broadcasts,
-    reshapes, transposes, slices, float casts), so it can be replayed from a
-    changed root."""
-
-    root: Any  # a NumPy or a concrete JAX array
-    chain: tuple[Any, ...]
-
-
 class Record(NamedTuple):
     """One first-order equation as autocast ran it (for observers)."""
 
@@ -99,134 +103,6 @@ class Record(NamedTuple):
     operands: tuple[Any, ...]  # the operands it ran on (after the casts)
     outs: tuple[Any, ...]
     notes: tuple[str, ...]  # decisions about constants and normalisation
-
-
-class Info(NamedTuple):
-    """What the interpreter knows about where a value came from."""
-
-    src_rank: int  # rank of the array it was broadcast or reshaped from
-    param: bool  # an input or constant of the function, or a view of one
-    lowered: bool  # the output of a "lower" op, possibly reshaped
-    src_size: int = 0  # elements of the array it was broadcast from
-    stat: bool = False  # a reduction's result, or computed from reductions only
-    const: Const | None = None  # its values, when they are known at trace time
-
-
-def size_of(x: Any) -> int:
-    return int(np.prod(np.shape(x), dtype=np.int64))
-
-
-def fresh_info(x: Any) -> Info:
-    """A value computed by the function: no provenance."""
-    return Info(len(np.shape(x)), False, False, size_of(x))
-
-
-def input_info(x: Any) -> Info:
-    return Info(len(np.shape(x)), True, False, size_of(x))
-
-
-def const_info(x: Any, param: bool = True) -> Info:
-    """A literal (``param=False``) or a constant of a jaxpr: its values are
-    known."""
-    root = None
-    if isinstance(x, np.ndarray | np.generic):
-        root = x
-    elif isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        root = x if size_of(x) <= _MAX_CONST else None  # read back when needed
-    const = Const(root, ()) if root is not None and _floating(root.dtype) else None
-    return Info(len(np.shape(x)), param, False, size_of(x), False, const)
-
-
-def _values(const: Const, dtype: np.dtype) -> np.ndarray:
-    with np.errstate(all="ignore"):
-        return np.asarray(const.root).astype(dtype)
-
-
-def const_fit(const: Const, src: np.dtype, dst: np.dtype) -> str | None:
-    """Why ``const`` (in ``src``) does not survive a cast to ``dst``: ``"inf"``
-    (a finite value beyond ``dst``'s range), ``"zero"`` (a non-zero scalar that
-    rounds to 0), or ``None`` if it survives. Infinities and NaNs survive."""
-    v = _values(const, src)
-    with np.errstate(all="ignore"):
-        n = v.astype(dst)
-    if np.any(np.isfinite(v) & ~np.isfinite(n)):
-        return "inf"
-    if v.size == 1 and np.any((v != 0) & (n == 0)):
-        return "zero"
-    return None
-
-
-def saturate(const: Const, src: np.dtype, dst: np.dtype) -> Any:
-    """``const`` cast to ``dst`` with finite values clipped to ``dst``'s finite
-    range (infinities and NaNs kept), replayed through its chain."""
-    v = _values(const, src)
-    fi = jax.numpy.finfo(dst)
-    lo, hi = float(fi.min), float(fi.max)
-    with np.errstate(all="ignore"):
-        out: Any = np.where(np.isfinite(v), np.clip(v, lo, hi), v).astype(dst)
-    for eqn in const.chain:
-        if eqn.primitive.name != "convert_element_type":
-            out = bind(eqn.primitive, eqn.params, [out])[0]
-    return out
-
-
-def dtype_of(x: Any) -> Any:
-    return x.dtype
-
-
-def is_castable(dtype: Any) -> bool:
-    return dtype in _CASTABLE
-
-
-def _floating(dtype: Any) -> bool:
-    return jax.numpy.issubdtype(dtype, jax.numpy.floating)
-
-
-def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
-    """The smallest floating dtype that holds all of ``dtypes``: float16 and
-    bfloat16 give float32, as in JAX's and torch's promotion."""
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        if d == out:
-            continue
-        if d.itemsize == out.itemsize:
-            out = np.dtype({1: np.float16, 2: np.float32}.get(d.itemsize, np.float64))
-        elif d.itemsize > out.itemsize:
-            out = d
-    return out
-
-
-def cast(x: Any, dtype: np.dtype) -> Any:
-    """``x`` in ``dtype``; NumPy constants (literals) stay NumPy constants."""
-    if dtype_of(x) == dtype:
-        return x
-    if isinstance(x, np.ndarray | np.generic):
-        return np.asarray(x, dtype)
-    return lax.convert_element_type(x, dtype)
-
-
-def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]) -> Any:
-    """``fn`` traced to a ``ClosedJaxpr`` at abstract values ``avals`` (which keep
-    their shardings and varying manual axes, unlike ``ShapeDtypeStruct``)."""
-    from jax._src import api_util
-    from jax._src import linear_util as lu
-    from jax._src.interpreters import partial_eval as pe
-
-    debug = api_util.debug_info("jaxscale.autocast", fn, tuple(avals), {})
-    traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), list(avals))
-    return jcore.ClosedJaxpr(traced[0], traced[2])  # (jaxpr, out_avals, consts, ...)
-
-
-def bind(primitive: Any, params: Mapping[str, Any], vals: Sequence[Any]) -> list[Any]:
-    """Bind ``primitive`` on ``vals`` with the parameters of a jaxpr equation, as
-    ``jax.core.eval_jaxpr`` does; always a list of outputs."""
-    params = primitive.get_bind_params(params)
-    if isinstance(params, tuple):  # older jax: (subfuns, params)
-        subfuns, params = params
-        out = primitive.bind(*subfuns, *vals, **params)
-    else:
-        out = primitive.bind(*vals, **params)
-    return list(out) if primitive.multiple_results else [out]
 
 
 def _in_owned_region(eqn: Any) -> bool:
@@ -257,55 +133,6 @@ def _source_of(eqn: Any):
     ctx = getattr(eqn.ctx, "manager", None) or contextlib.nullcontext()
     with siu.user_context(eqn.source_info.traceback, name_stack=names), ctx:
         yield
-
-
-# Provenance: which primitives pass a value's origin through.
-_SAME_SOURCE = frozenset(
-    {"broadcast_in_dim", "convert_element_type", "copy", "device_put", "name", "pvary"}
-    | {"reshape", "reshard", "sharding_constraint", "squeeze", "stop_gradient"}
-    | {"transpose"}
-)
-_SAME_PARAM = _SAME_SOURCE | {"dynamic_slice", "gather", "rev", "slice"}
-# Equations that keep a constant's values (a view, a subset, or a float cast):
-# a constant seen through them can be checked and replayed.
-_SAME_VALUES = (_SAME_PARAM - {"device_put", "dynamic_slice", "gather"}) | {
-    "rev",
-    "slice",
-}
-# Primitives whose output elements are copies of operand elements: a constant
-# that overflows the narrow dtype is a sentinel ("very negative") there, and
-# saturates to the dtype's finite extreme instead of widening the operation.
-_SELECTIONS = frozenset(
-    {"clamp", "concatenate", "dynamic_update_slice", "max", "min", "pad"}
-    | {"select_n", "scatter"}
-)
-_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_sum"})
-# What a statistic may go through and stay one: the arithmetic of a mean, a
-# variance and its inverse square root, views and casts. Not logarithms or
-# exponentials: ``x - logsumexp(x)`` (log-softmax) is not a normalisation.
-_STAT_OPS = _SAME_SOURCE | {
-    "abs",
-    "add",
-    "div",
-    "integer_pow",
-    "max",
-    "min",
-    "mul",
-    "neg",
-    "rsqrt",
-    "sqrt",
-    "square",
-    "sub",
-}
-
-_SAME_LOWERED = frozenset(
-    {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
-    | {"transpose"}
-)
-
-
-def _nonunit(shape: Sequence[int]) -> list[int]:
-    return [d for d in shape if d != 1]
 
 
 class Interpreter:
@@ -440,7 +267,7 @@ class Interpreter:
             outs = [
                 self.cast(o, out_dtype) if is_castable(dtype_of(o)) else o for o in outs
             ]
-        out_infos = self.out_infos(rule, name, eqn, infos, outs)
+        out_infos = provenance(rule, name, eqn, infos, outs, self.dtype)
         if self.observer is not None:
             self.observer(
                 Record(
@@ -492,7 +319,7 @@ class Interpreter:
             return vals, None
         if rule is Rule.TRACED:
             return [
-                self.cast(v, t) if _floating(dtype_of(v)) and _floating(t) else v
+                self.cast(v, t) if floating(dtype_of(v)) and floating(t) else v
                 for v, t in zip(vals, traced, strict=True)
             ], None
         if rule is Rule.FLOAT32:
@@ -547,7 +374,7 @@ class Interpreter:
         why = const_fit(info.const, src, target)
         if why is None:
             return None
-        value = _values(info.const, src).ravel()[0] if size_of(v) else 0
+        value = const_values(info.const, src).ravel()[0] if size_of(v) else 0
         what = "overflows to inf" if why == "inf" else "rounds to 0"
         return why, f"{float(value):.6g} {what} in {np.dtype(target).name}"
 
@@ -601,7 +428,7 @@ class Interpreter:
         instead, or, in a selection, saturates to the narrow dtype's range."""
         groups: dict[np.dtype, list[int]] = {}
         for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
-            if _floating(dtype_of(v)) and _floating(t):
+            if floating(dtype_of(v)) and floating(t):
                 groups.setdefault(np.dtype(t), []).append(i)
         out = list(vals)
         for idx in groups.values():
@@ -615,7 +442,7 @@ class Interpreter:
                 if misfit is None:
                     continue
                 why, text = misfit
-                if name in _SELECTIONS and why == "inf":
+                if name in SELECTIONS and why == "inf":
                     self.note(f"constant {text}: saturated to the finite range")
                     src = dtype_of(vals[i])
                     saturated[i] = saturate(infos[i].const, src, target)
@@ -634,9 +461,9 @@ class Interpreter:
         params = eqn.params
         pref = params.get("preferred_element_type")
         if rule is not Rule.TRACED and pref is not None:
-            floats = [t for t in traced if _floating(t)]
+            floats = [t for t in traced if floating(t)]
             if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
-                new = [dtype_of(v) for v in vals if _floating(dtype_of(v))]
+                new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
                 params = dict(params, preferred_element_type=new[0])
         update = params.get("update_jaxpr")
         if update is not None and dtype_of(vals[0]) != traced[0]:
@@ -654,61 +481,3 @@ class Interpreter:
                 update_consts=tuple(new_update.consts),
             )
         return params
-
-    def out_infos(
-        self,
-        rule: AutocastRule,
-        name: str,
-        eqn: Any,
-        infos: list[Info],
-        outs: list[Any],
-    ) -> list[Info]:
-        floats = [
-            i for i, v in zip(infos, eqn.invars, strict=True) if _floating(v.aval.dtype)
-        ]
-        stat = False
-        if name in _REDUCTIONS:
-            stat = True
-        elif name in _STAT_OPS and any(i.stat for i in floats):
-            stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
-        # Elementwise on broadcast operands (a statistic times a scale): the
-        # result holds no more distinct sources than its operands together.
-        elementwise = rule is not Rule.LOWER and name not in _REDUCTIONS
-        in_size = sum(i.src_size for i in infos) if elementwise else None
-        result = []
-        for out in outs:
-            shape = np.shape(out)
-            src, param, lowered = len(shape), False, False
-            src_size, const = size_of(out), None
-            if in_size is not None and all(
-                len(getattr(v.aval, "shape", ())) in (0, len(shape)) for v in eqn.invars
-            ):
-                src_size = min(src_size, in_size)
-            if infos and name in _SAME_SOURCE:
-                first = infos[0]
-                same_rank = name != "reshape" or _nonunit(
-                    eqn.invars[0].aval.shape
-                ) == _nonunit(shape)
-                src = first.src_rank if same_rank else src
-                src_size = first.src_size
-            if infos and name in _SAME_PARAM:
-                param = infos[0].param
-            if infos and name in _SAME_LOWERED:
-                lowered = infos[0].lowered
-            if rule is Rule.LOWER:
-                lowered = dtype_of(out) == self.dtype
-            if infos and name in _SAME_VALUES and infos[0].const is not None:
-                if _floating(dtype_of(out)):
-                    c = infos[0].const
-                    const = Const(c.root, (*c.chain, eqn))
-            result.append(
-                Info(
-                    min(src, len(shape)),
-                    param,
-                    lowered,
-                    min(src_size, size_of(out)),
-                    stat and _floating(dtype_of(out)),
-                    const,
-                )
-            )
-        return result

@@ -287,19 +287,39 @@ def test_rule_dtypes_and_values(name):
         (lambda x, w, b: (x @ w) - jnp.mean(x @ w, axis=1, keepdims=True), "sub"),
     ],
 )
-def test_norm_case_computes_in_float32_and_rounds(fn, op):
-    """Unlike a bias (cast to float16, added in float16), a float32 parameter or
-    statistic combined with a float16 activation that is not a matmul's output
-    is combined in float32, and the result rounded to float16."""
+def test_norm_case_applies_the_float32_value_in_float16(fn, op):
+    """A float32 parameter or statistic broadcast onto a float16 activation (not
+    only a matmul's bias) is cast to float16, saturating at float16's range, and
+    the operation runs in float16: the activation stays float16."""
     g = jxs.autocast(fn, cast_outputs=False)
     last = eqns_named(g, op, X, W, B)[-1]
-    assert [v.aval.dtype for v in last.invars] == [F32, F32]
+    assert [v.aval.dtype for v in last.invars] == [F16, F16]
     assert g(X, W, B).dtype == F16
     np.testing.assert_allclose(
         np.asarray(g(X, W, B), np.float32), fn(X, W, B), rtol=2e-2, atol=2e-2
     )
     (bias,) = eqns_named(jxs.autocast(lambda x, w, b: x @ w + b[None]), "add", X, W, B)
     assert [v.aval.dtype for v in bias.invars] == [F16, F16]
+
+
+def test_norm_case_saturates_a_statistic_beyond_float16():
+    """``rsqrt(var + eps)`` of a constant row with a tiny ``eps`` is beyond
+    float16's range: it saturates to 65504, so ``(x - mean) * rsqrt`` is 0 there,
+    not ``0 * inf = nan``; an infinite statistic stays infinite."""
+
+    def norm(x, w, eps):
+        h = x @ w
+        mean = jnp.mean(h, axis=1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), axis=1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + eps)
+
+    x = jnp.concatenate([jnp.ones((1, 4)), X[1:, :4]])  # row 0: every h equal
+    w = jnp.ones((4, 8))
+    out = jax.jit(jxs.autocast(norm))(x, w, jnp.float32(1e-12))
+    assert not jnp.isnan(out).any()
+    np.testing.assert_array_equal(out[0], 0.0)
+    inf = jax.jit(jxs.autocast(norm))(x, w, jnp.float32(0.0))  # rsqrt(0) = inf
+    assert jnp.isnan(inf[0]).all()  # 0 * inf, as in float32: nothing hidden
 
 
 def test_conv_and_its_bias():

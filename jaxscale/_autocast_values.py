@@ -1,0 +1,298 @@
+"""Values under :func:`jaxscale.autocast`: dtypes, casts, and what the
+interpreter knows about where a value came from (:class:`Info`): its source's rank
+and size (torch's scalar rule, the bias and normalisation rules), whether it is a
+parameter or a statistic, and its values when they are known at trace time (a
+constant, checked against the narrow dtype's range: :func:`const_fit`,
+:func:`saturate`). :func:`provenance` derives an equation's outputs' ``Info``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxscale._autocast_rules import AutocastRule
+
+__all__ = [
+    "Const",
+    "Info",
+    "REDUCTIONS",
+    "SELECTIONS",
+    "bind",
+    "cast",
+    "const_fit",
+    "const_info",
+    "const_values",
+    "dtype_of",
+    "floating",
+    "fresh_info",
+    "input_info",
+    "is_castable",
+    "provenance",
+    "saturate",
+    "size_of",
+    "trace",
+    "widest",
+]
+
+Rule = AutocastRule
+_F16, _BF16, _F32 = (
+    np.dtype(jax.numpy.dtype(d)) for d in ("float16", "bfloat16", "float32")
+)
+_CASTABLE = frozenset({_F16, _BF16, _F32})
+# Constants larger than this are not read back at trace time (their values are
+# not checked against the narrow dtype's range).
+_MAX_CONST = 1 << 16
+
+
+class Const(NamedTuple):
+    """A value known when tracing: ``root`` (a literal or a constant of the
+    jaxpr) viewed through ``chain``, equations that keep its values (broadcasts,
+    reshapes, transposes, slices, float casts), so it can be replayed from a
+    changed root."""
+
+    root: Any  # a NumPy or a concrete JAX array
+    chain: tuple[Any, ...]
+
+
+class Info(NamedTuple):
+    """What the interpreter knows about where a value came from."""
+
+    src_rank: int  # rank of the array it was broadcast or reshaped from
+    param: bool  # an input or constant of the function, or a view of one
+    lowered: bool  # the output of a "lower" op, possibly reshaped
+    src_size: int = 0  # elements of the array it was broadcast from
+    stat: bool = False  # a reduction's result, or computed from reductions only
+    const: Const | None = None  # its values, when they are known at trace time
+
+
+def size_of(x: Any) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64))
+
+
+def fresh_info(x: Any) -> Info:
+    """A value computed by the function: no provenance."""
+    return Info(len(np.shape(x)), False, False, size_of(x))
+
+
+def input_info(x: Any) -> Info:
+    return Info(len(np.shape(x)), True, False, size_of(x))
+
+
+def const_info(x: Any, param: bool = True) -> Info:
+    """A literal (``param=False``) or a constant of a jaxpr: its values are
+    known."""
+    root = None
+    if isinstance(x, np.ndarray | np.generic):
+        root = x
+    elif isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        root = x if size_of(x) <= _MAX_CONST else None  # read back when needed
+    const = Const(root, ()) if root is not None and floating(root.dtype) else None
+    return Info(len(np.shape(x)), param, False, size_of(x), False, const)
+
+
+def const_values(const: Const, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.asarray(const.root).astype(dtype)
+
+
+def const_fit(const: Const, src: np.dtype, dst: np.dtype) -> str | None:
+    """Why ``const`` (in ``src``) does not survive a cast to ``dst``: ``"inf"``
+    (a finite value beyond ``dst``'s range), ``"zero"`` (a non-zero scalar that
+    rounds to 0), or ``None`` if it survives. Infinities and NaNs survive."""
+    v = const_values(const, src)
+    with np.errstate(all="ignore"):
+        n = v.astype(dst)
+    if np.any(np.isfinite(v) & ~np.isfinite(n)):
+        return "inf"
+    if v.size == 1 and np.any((v != 0) & (n == 0)):
+        return "zero"
+    return None
+
+
+def saturate(const: Const, src: np.dtype, dst: np.dtype) -> Any:
+    """``const`` cast to ``dst`` with finite values clipped to ``dst``'s finite
+    range (infinities and NaNs kept), replayed through its chain."""
+    v = const_values(const, src)
+    fi = jax.numpy.finfo(dst)
+    lo, hi = float(fi.min), float(fi.max)
+    with np.errstate(all="ignore"):
+        out: Any = np.where(np.isfinite(v), np.clip(v, lo, hi), v).astype(dst)
+    for eqn in const.chain:
+        if eqn.primitive.name != "convert_element_type":
+            out = bind(eqn.primitive, eqn.params, [out])[0]
+    return out
+
+
+def dtype_of(x: Any) -> Any:
+    return x.dtype
+
+
+def is_castable(dtype: Any) -> bool:
+    return dtype in _CASTABLE
+
+
+def floating(dtype: Any) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.floating)
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The smallest floating dtype that holds all of ``dtypes``: float16 and
+    bfloat16 give float32, as in JAX's and torch's promotion."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        if d == out:
+            continue
+        if d.itemsize == out.itemsize:
+            out = np.dtype({1: np.float16, 2: np.float32}.get(d.itemsize, np.float64))
+        elif d.itemsize > out.itemsize:
+            out = d
+    return out
+
+
+def cast(x: Any, dtype: np.dtype) -> Any:
+    """``x`` in ``dtype``; NumPy constants (literals) stay NumPy constants."""
+    if dtype_of(x) == dtype:
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x, dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]) -> Any:
+    """``fn`` traced to a ``ClosedJaxpr`` at abstract values ``avals`` (which keep
+    their shardings and varying manual axes, unlike ``ShapeDtypeStruct``)."""
+    from jax._src import api_util
+    from jax._src import linear_util as lu
+    from jax._src.interpreters import partial_eval as pe
+
+    debug = api_util.debug_info("jaxscale.autocast", fn, tuple(avals), {})
+    traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), list(avals))
+    return jcore.ClosedJaxpr(traced[0], traced[2])  # (jaxpr, out_avals, consts, ...)
+
+
+def bind(primitive: Any, params: Mapping[str, Any], vals: Sequence[Any]) -> list[Any]:
+    """Bind ``primitive`` on ``vals`` with the parameters of a jaxpr equation, as
+    ``jax.core.eval_jaxpr`` does; always a list of outputs."""
+    params = primitive.get_bind_params(params)
+    if isinstance(params, tuple):  # older jax: (subfuns, params)
+        subfuns, params = params
+        out = primitive.bind(*subfuns, *vals, **params)
+    else:
+        out = primitive.bind(*vals, **params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+# Provenance: which primitives pass a value's origin through.
+_SAME_SOURCE = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "copy", "device_put", "name", "pvary"}
+    | {"reshape", "reshard", "sharding_constraint", "squeeze", "stop_gradient"}
+    | {"transpose"}
+)
+_SAME_PARAM = _SAME_SOURCE | {"dynamic_slice", "gather", "rev", "slice"}
+# Equations that keep a constant's values (a view, a subset, or a float cast):
+# a constant seen through them can be checked and replayed.
+_SAME_VALUES = (_SAME_PARAM - {"device_put", "dynamic_slice", "gather"}) | {
+    "rev",
+    "slice",
+}
+# Primitives whose output elements are copies of operand elements: a constant
+# that overflows the narrow dtype is a sentinel ("very negative") there, and
+# saturates to the dtype's finite extreme instead of widening the operation.
+SELECTIONS = frozenset(
+    {"clamp", "concatenate", "dynamic_update_slice", "max", "min", "pad"}
+    | {"select_n", "scatter"}
+)
+REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_sum"})
+# What a statistic may go through and stay one: the arithmetic of a mean, a
+# variance and its inverse square root, views and casts. Not logarithms or
+# exponentials: ``x - logsumexp(x)`` (log-softmax) is not a normalisation.
+_STAT_OPS = _SAME_SOURCE | {
+    "abs",
+    "add",
+    "div",
+    "integer_pow",
+    "max",
+    "min",
+    "mul",
+    "neg",
+    "rsqrt",
+    "sqrt",
+    "square",
+    "sub",
+}
+
+_SAME_LOWERED = frozenset(
+    {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
+    | {"transpose"}
+)
+
+
+def _nonunit(shape: Sequence[int]) -> list[int]:
+    return [d for d in shape if d != 1]
+
+
+def provenance(
+    rule: AutocastRule,
+    name: str,
+    eqn: Any,
+    infos: list[Info],
+    outs: list[Any],
+    dtype: np.dtype,
+) -> list[Info]:
+    """The ``Info`` of an equation's outputs, from its operands' (``dtype`` is the
+    autocast dtype)."""
+    floats = [
+        i for i, v in zip(infos, eqn.invars, strict=True) if floating(v.aval.dtype)
+    ]
+    stat = False
+    if name in REDUCTIONS:
+        stat = True
+    elif name in _STAT_OPS and any(i.stat for i in floats):
+        stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
+    # Elementwise on broadcast operands (a statistic times a scale): the
+    # result holds no more distinct sources than its operands together.
+    elementwise = rule is not Rule.LOWER and name not in REDUCTIONS
+    in_size = sum(i.src_size for i in infos) if elementwise else None
+    result = []
+    for out in outs:
+        shape = np.shape(out)
+        src, param, lowered = len(shape), False, False
+        src_size, const = size_of(out), None
+        if in_size is not None and all(
+            len(getattr(v.aval, "shape", ())) in (0, len(shape)) for v in eqn.invars
+        ):
+            src_size = min(src_size, in_size)
+        if infos and name in _SAME_SOURCE:
+            first = infos[0]
+            same_rank = name != "reshape" or _nonunit(
+                eqn.invars[0].aval.shape
+            ) == _nonunit(shape)
+            src = first.src_rank if same_rank else src
+            src_size = first.src_size
+        if infos and name in _SAME_PARAM:
+            param = infos[0].param
+        if infos and name in _SAME_LOWERED:
+            lowered = infos[0].lowered
+        if rule is Rule.LOWER:
+            lowered = dtype_of(out) == dtype
+        if infos and name in _SAME_VALUES and infos[0].const is not None:
+            if floating(dtype_of(out)):
+                c = infos[0].const
+                const = Const(c.root, (*c.chain, eqn))
+        result.append(
+            Info(
+                min(src, len(shape)),
+                param,
+                lowered,
+                min(src_size, size_of(out)),
+                stat and floating(dtype_of(out)),
+                const,
+            )
+        )
+    return result
