@@ -95,12 +95,20 @@ def test_batchnorm_islands_with_old_rules_and_none_by_default(cnn):
     assert {s.primitive for s in norms} >= {"sub", "mul", "add"}
     assert all(s.dtype == "float16" for s in norms)
     assert all(s.location.startswith("flax/linen/normalization.py:") for s in norms)
-    # Computed in float32 (the norm rule), so they ran in float32.
-    assert new.by_source["CNN/BatchNorm_0"].keys() == {"float32"}
+    note = (
+        "float32 statistic or parameter applied to a float16 activation: "
+        "cast to float16, saturating"
+    )
+    assert all(s.note == note for s in norms), norms
+    # The norm rule casts the statistics and parameters to float16: the three
+    # operations on the activation ran in float16, the statistics in float32.
+    assert new.by_source["CNN/BatchNorm_0"]["float16"] == len(norms) == 3
+    assert new.by_source["CNN/BatchNorm_0"]["float32"] > 0
     assert new.bytes_by_dtype["float16"] > old.bytes_by_dtype["float16"]
     assert new.bytes_by_dtype["float32"] < old.bytes_by_dtype["float32"]
     text = str(new)
     assert "float32 islands (outputs of >= 64 elements):\n  none" in text
+    assert "norm rule (float32 statistic or parameter cast to float16):" in text
     assert "CNN/BatchNorm_0" in str(old).split("float32 islands")[1]
 
 
