@@ -31,3 +31,22 @@ def test_autocast_benchmark_quick(tmp_path):
     # A loss scale of 2**10 keeps these steps finite: every timed step applied.
     skipped = re.findall(r"rounds, (\d+) skipped\)", out)
     assert len(skipped) == 6 and set(skipped) == {"0"}, out
+
+
+def test_masked_attention_benchmark(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "masked_attention.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = re.findall(
+        r"^\| (.+?) \| ([\d.]+), ([\d.]+) \| ([\d.]+), ([\d.]+) \|$", out, re.M
+    )
+    assert len(rows) == 6, out
+    for _, nan16, dev16, nanbf, devbf in rows:
+        assert float(nan16) == float(nanbf) == 0.0, out  # no NaN anywhere
+        assert float(dev16) < 0.01 and float(devbf) < 0.05, out
