@@ -97,10 +97,10 @@ def autocast(
     a matmul's output is cast to ``dtype`` (torch's ``linear`` includes its bias);
     and an activation in ``dtype`` combined (``+ - * /``) with a float32 value
     broadcast from fewer elements that is a parameter or a statistic (a norm's
-    mean, variance, scale and offset) is computed in float32 and rounded to
-    ``dtype``, as torch's ``batch_norm`` and Flax's ``dtype=float16`` do, so
-    BatchNorm, LayerNorm and what follows them (ReLU, pooling, residual adds) stay
-    in ``dtype``. Integers, booleans, PRNG keys and float64 values are never cast.
+    mean, variance, scale and offset, computed in float32) is cast to ``dtype``,
+    saturating at its finite range, and applied in ``dtype``, so BatchNorm,
+    LayerNorm and what follows them (ReLU, pooling, residual adds) stay in
+    ``dtype``, as with torch's ``batch_norm`` and Flax's ``dtype=float16``. Integers, booleans, PRNG keys and float64 values are never cast.
     :func:`autocast_rules` returns the table; ``docs/autocast.md`` compares it
     with torch's lists op by op.
 

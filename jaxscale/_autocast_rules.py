@@ -60,9 +60,10 @@ class AutocastRule(enum.StrEnum):
       ``linear`` and ``conv`` include their bias. Normalisation: a full-size
       activation in ``dtype`` combined with a float32 value broadcast from fewer
       elements that is a statistic (computed by reductions, from parameters and
-      scalars only, not through ``log``/``exp``), a parameter or a constant runs
-      in float32 and its result is rounded to ``dtype``, as torch's
-      ``batch_norm`` and Flax's ``dtype=float16`` give. ``x @ w + y`` with a
+      scalars only, not through ``log``/``exp``), a parameter or a constant is
+      cast to ``dtype`` (saturating at its finite range) and the op runs in
+      ``dtype``, so the activation stays in ``dtype`` as torch's ``batch_norm``
+      and Flax's ``dtype=float16`` give. ``x @ w + y`` with a
       full-shape float32 ``y`` is float32, as in torch.
     - ``KEEP`` (``"keep"``): run at the operands' current dtypes, nothing cast:
       unary elementwise ops (``tanh``, ``logistic``, ``sqrt``, ...), integer
