@@ -91,7 +91,8 @@ def measure() -> dict[str, dict[str, tuple[float, float]]]:
 
 
 def main() -> dict:
-    print(f"jax {jax.__version__}, jaxscale {jxs.__version__}; {jax.devices()[0].platform}")
+    platform = jax.devices()[0].platform
+    print(f"jax {jax.__version__}, jaxscale {jxs.__version__}; {platform}")
     results = measure()
     print("| case | float16: NaN, max dev | bfloat16: NaN, max dev |")
     print("|---|---|---|")

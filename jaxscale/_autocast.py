@@ -100,7 +100,8 @@ def autocast(
     mean, variance, scale and offset, computed in float32) is cast to ``dtype``,
     saturating at its finite range, and applied in ``dtype``, so BatchNorm,
     LayerNorm and what follows them (ReLU, pooling, residual adds) stay in
-    ``dtype``, as with torch's ``batch_norm`` and Flax's ``dtype=float16``. Integers, booleans, PRNG keys and float64 values are never cast.
+    ``dtype``, as with torch's ``batch_norm`` and Flax's ``dtype=float16``.
+    Integers, booleans, PRNG keys and float64 values are never cast.
     :func:`autocast_rules` returns the table; ``docs/autocast.md`` compares it
     with torch's lists op by op.
 

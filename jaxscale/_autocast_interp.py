@@ -7,10 +7,14 @@ primitive's rule says (:mod:`jaxscale._autocast_rules`) and binds the primitive
 again, so the casts are ordinary ``convert_element_type`` operations that JAX
 differentiates, batches and compiles like hand-written ones.
 
-Next to each value it keeps a little provenance (:class:`Info`) for the two rules
-that are not per-primitive: torch's scalar rule (a rank-0 operand, or one broadcast
-from rank 0, does not decide a promotion) and the bias rule (the float32 vector
-added to a matmul's output runs in the low dtype, as torch's ``linear`` does).
+Next to each value it keeps a little provenance (:class:`Info`, in
+:mod:`jaxscale._autocast_values`) for the rules that are not per-primitive: torch's
+scalar rule (a rank-0 operand, or one broadcast from rank 0, does not decide a
+promotion), the bias rule (the float32 vector added to a matmul's output runs in
+the low dtype, as torch's ``linear`` does), the normalisation rule (float32
+statistics and parameters applied to a low-precision activation in its dtype), and
+the constant rule (a constant that would become inf or 0 when narrowed saturates or
+widens its operation).
 
 Higher-order primitives are delegated to handlers (:mod:`jaxscale._autocast_hop`).
 """
@@ -51,21 +55,21 @@ from jaxscale._autocast_values import (
 
 __all__ = [
     "AutocastWarning",
+    "Const",
     "Info",
     "Interpreter",
     "REGION_PREFIX",
-    "bind",
-    "Const",
     "Record",
+    "bind",
     "cast",
     "const_fit",
     "const_info",
     "dtype_of",
     "fresh_info",
     "input_info",
+    "is_castable",
     "saturate",
     "size_of",
-    "is_castable",
     "trace",
     "widest",
 ]
