@@ -215,7 +215,7 @@ def train(
         )
         loss, grads = grad_fn(params, x, y)
         optimizer.update(model, grads)  # unscale, check, clip, AdamW (or skip)
-        s = jxs.summary(optimizer)
+        s = jxs.diagnostics.summary(optimizer)
         return loss, s["loss_scale"], s["last_step_finite"]
 
     @nnx.jit
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     for run in runs:
         train_loss = float(np.mean(run["loss"][-10:]))
         if run["scaling"]:
-            s = jxs.summary(run["optimizer"])
+            s = jxs.diagnostics.summary(run["optimizer"])
             skipped = f"{int(s['skipped_steps'])}"
             scale = f"2**{np.log2(float(s['loss_scale'])):g}"
         else:

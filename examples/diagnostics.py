@@ -3,12 +3,12 @@
 The workflow of docs/diagnostics.md on a small float16 MLP regression:
 
 1. **Choose the scale.** Gradients of a float32 reference run go through
-   ``jxs.underflow_report``: how much of them float16 flushes to zero without a
+   ``jxs.diagnostics.underflow_report``: how much of them float16 flushes to zero without a
    scale, and which power-of-two ``init_scale`` range keeps them representable.
 2. **Watch the run.** The float16 model trains with ``jxs.dynamic_scaling``
-   (which keeps per-leaf overflow flags) wrapped in ``jxs.monitor`` with an
+   (which keeps per-leaf overflow flags) wrapped in ``jxs.diagnostics.monitor`` with an
    ``on_overflow`` hook; every step
-   returns ``jxs.summary`` counters and ``jxs.layer_norms`` of the unscaled
+   returns ``jxs.diagnostics.summary`` counters and ``jxs.diagnostics.layer_norms`` of the unscaled
    gradients as device arrays, fetched once at the end (no per-step sync).
 3. **Find the layer.** ``jaxscale.testing.nonfinite_at`` makes one layer's
    gradients overflow at the steps given by ``--inject-at``; the hook names it.
@@ -85,7 +85,7 @@ def pow2(x: float) -> str:
 
 
 def report_underflow(grads: dict, init_scale: float) -> None:
-    r = jax.device_get(jxs.underflow_report(grads, jnp.float16, init_scale))
+    r = jax.device_get(jxs.diagnostics.underflow_report(grads, jnp.float16, init_scale))
     print("float32 reference gradients, cast to float16:")
     print(
         f"  without a scale: {r.zero_fraction_unscaled:.1%} flush to zero, "
@@ -179,13 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     report_underflow(grads32, args.init_scale)
 
     # 2./3. The float16 run, with every diagnostic on.
-    events: list[jxs.OverflowEvent] = []
+    events: list[jxs.diagnostics.OverflowEvent] = []
     ls = jxs.DynamicLossScale.create(
         init_scale=args.init_scale, growth_interval=args.growth_interval
     )
     tx = optax.chain(
         jxt.nonfinite_at(inject_at, paths="layer2/w"),  # the fault to find
-        jxs.monitor(
+        jxs.diagnostics.monitor(
             jxs.dynamic_scaling(optax.adam(args.lr), ls),
             on_overflow=events.append,
             warn_at_floor_after=100,
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     def train_step(params, opt_state, batch):
         loss, grads = jxs.value_and_grad(loss_fn, opt_state)(params, batch, jnp.float16)
         used = jxs.loss_scale_of(opt_state)
-        norms = jxs.layer_norms(used.unscale(grads), depth=1)
+        norms = jxs.diagnostics.layer_norms(used.unscale(grads), depth=1)
         updates, opt_state = tx.update(grads, opt_state, params)
         logs = {"loss": loss, "norms": norms, "scale_used": used.loss_scale}
-        logs.update(jxs.summary(opt_state))
+        logs.update(jxs.diagnostics.summary(opt_state))
         return optax.apply_updates(params, updates), opt_state, logs
 
     # 4. The float32 reference run.
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     injected = [e for e in events if e.step in inject_at]
     for e in injected:
         print(f"  injected at step {e.step}: found in {', '.join(e.paths)}")
-    final = jax.device_get(jxs.summary(opt_state))
+    final = jax.device_get(jxs.diagnostics.summary(opt_state))
     print(
         f"done: {final['skipped_steps']} of {final['steps']} steps skipped, final "
         f"loss scale {pow2(final['loss_scale'])}, loss {history['loss'][-1]:.3g} "

@@ -173,7 +173,7 @@ def train(
             loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
         state = state.apply_gradients(grads=grads)
         if scaling:
-            s = jxs.summary(state.opt_state)
+            s = jxs.diagnostics.summary(state.opt_state)
             scale, finite = s["loss_scale"], s["last_step_finite"]
         else:
             scale, finite = jnp.ones((), jnp.float32), jnp.ones((), jnp.bool_)
@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{label:<8} {f'2**{np.log2(s):g}':>10} {100 * m['flushed']:>7.2f}% "
                 f"{100 * m['subnormal']:>8.2f}% {m['rel_error']:>8.1e}   {per_layer}"
             )
-        # jxs.underflow_report asks the same of the float32 parameter gradients
+        # jxs.diagnostics.underflow_report asks the same of the float32 parameter gradients
         # (cast to float16), without running a float16 backward pass.
-        r = jxs.underflow_report(m["ref"], jnp.float16, scale)
+        r = jxs.diagnostics.underflow_report(m["ref"], jnp.float16, scale)
         print(
             f"{'':<8} underflow_report(fp32 grads): "
             f"{100 * float(r.zero_fraction_unscaled):.2f}% zero unscaled, "

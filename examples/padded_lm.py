@@ -298,7 +298,7 @@ def train(name: str, init_params, data, val_batches, evaluate32, args) -> dict:
         loss, grads = jxs.value_and_grad(loss_fn, opt_state)(params, inputs)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        s = jxs.summary(opt_state)
+        s = jxs.diagnostics.summary(opt_state)
         return (params, opt_state), (loss, s["loss_scale"], s["last_step_finite"])
 
     @functools.partial(jax.jit, static_argnums=3, donate_argnums=(0, 1))
@@ -333,7 +333,7 @@ def train(name: str, init_params, data, val_batches, evaluate32, args) -> dict:
     losses, scales, finite = (
         np.concatenate([np.asarray(h[i]) for h in history]) for i in range(3)
     )
-    s = jxs.summary(opt_state)
+    s = jxs.diagnostics.summary(opt_state)
     host = jax.tree.leaves(jax.device_get(params))
     params_finite = bool(all(np.isfinite(p).all() for p in host))
     val_fp32 = float(evaluate32(params, val_batches))

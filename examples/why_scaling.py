@@ -21,7 +21,7 @@ parameters and see the same batches:
 
 It runs the four for each seed (3 by default), prints the final validation
 loss of every run with the mean and spread over the seeds, and measures with
-``jxs.cotangent_report`` where in the network float16 loses the gradient: per
+``jxs.diagnostics.cotangent_report`` where in the network float16 loses the gradient: per
 layer, the fraction of the activation gradients (the cotangents of the
 backward pass) that float16 flushes to zero or leaves subnormal, without a
 scale and at the scale ``dynamic_scaling`` settled on. ``--json PATH`` writes
@@ -139,7 +139,7 @@ def dense(x: jax.Array, p: dict) -> jax.Array:
 
 def gpt(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
     """Logits of the next character. Float32 as written; probes mark the sites."""
-    probe = jxs.cotangent_probe  # the identity outside jxs.cotangent_report
+    probe = jxs.diagnostics.cotangent_probe  # the identity outside jxs.diagnostics.cotangent_report
     b, t = tokens.shape
     x = params["embed"][tokens] + params["pos"][:t]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
@@ -201,7 +201,7 @@ def compiled(name: str, cfg_items: tuple) -> tuple[Any, Any, Any]:
         x, y = make_batches(data, cfg.context, cfg.batch, jax.random.fold_in(key, i))
         loss, grads = jxs.value_and_grad(obj, opt_state)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
-        s = jxs.summary(opt_state)
+        s = jxs.diagnostics.summary(opt_state)
         out = (loss, s["loss_scale"], s["last_step_finite"])
         return optax.apply_updates(params, updates), opt_state, out
 
@@ -264,10 +264,10 @@ def underflow(params: dict, data, cfg: argparse.Namespace, scale: float) -> dict
         ("unscaled", "fp16", 1.0),
         ("scaled", "fp16", scale),
     ):
-        report = jax.jit(jxs.cotangent_report(objective(name, cfg.heads), s))
+        report = jax.jit(jxs.diagnostics.cotangent_report(objective(name, cfg.heads), s))
         stats = report(params, x, y)
         print(f"\nactivation gradients: {name} backward, loss scale {s:g}")
-        print(jxs.cotangent_table(stats))
+        print(jxs.diagnostics.cotangent_table(stats))
         out[label] = stats_dict(stats)
     out["scale"] = scale
     return out

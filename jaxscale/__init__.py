@@ -5,6 +5,7 @@ optax transformation that unscales gradients, skips non-finite steps and adjusts
 the scale, all inside XLA.
 """
 
+from jaxscale import diagnostics as diagnostics
 from jaxscale._accumulate import AccumulateState as AccumulateState
 from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (
@@ -21,18 +22,6 @@ from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
 from jaxscale._composition import CompositionWarning as CompositionWarning
-from jaxscale._cotangents import CotangentStats as CotangentStats
-from jaxscale._cotangents import cotangent_probe as cotangent_probe
-from jaxscale._cotangents import cotangent_report as cotangent_report
-from jaxscale._cotangents import cotangent_table as cotangent_table
-from jaxscale._diagnostics import UnderflowReport as UnderflowReport
-from jaxscale._diagnostics import layer_norms as layer_norms
-from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
-from jaxscale._diagnostics import summary as summary
-from jaxscale._diagnostics import underflow_report as underflow_report
-from jaxscale._hooks import OverflowEvent as OverflowEvent
-from jaxscale._hooks import ScaleAtFloorWarning as ScaleAtFloorWarning
-from jaxscale._hooks import monitor as monitor
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
@@ -58,16 +47,12 @@ __all__ = [
     "AutocastSite",
     "AutocastWarning",
     "CompositionWarning",
-    "CotangentStats",
     "DynamicLossScale",
     "DynamicScalingState",
     "LossScale",
     "NoOpLossScale",
-    "OverflowEvent",
     "Policy",
-    "ScaleAtFloorWarning",
     "StaticLossScale",
-    "UnderflowReport",
     "accumulate",
     "accumulate_value_and_grad",
     "all_finite",
@@ -76,21 +61,33 @@ __all__ = [
     "autocast_rules",
     "cast_floating",
     "clip_by_global_norm",
-    "cotangent_probe",
-    "cotangent_report",
-    "cotangent_table",
     "dynamic_scaling",
     "from_torch_state_dict",
     "global_norm",
-    "layer_norms",
     "loss_scale_of",
-    "monitor",
-    "nonfinite_paths",
     "select_tree",
-    "summary",
     "to_torch_state_dict",
-    "underflow_report",
     "upgrade_checkpoint",
     "validate_state",
     "value_and_grad",
 ]
+
+
+_MOVED_TO_DIAGNOSTICS = frozenset(diagnostics.__all__)
+
+
+def __getattr__(name: str):
+    # The diagnostics family moved to ``jaxscale.diagnostics`` in 0.3.0; the old
+    # top-level names stay for one release, with a warning.
+    if name in _MOVED_TO_DIAGNOSTICS:
+        import warnings
+
+        warnings.warn(
+            f"`jaxscale.{name}` moved to `jaxscale.diagnostics.{name}` in 0.3.0; the "
+            "top-level alias will be removed in 0.4.0. Write "
+            f"`jxs.diagnostics.{name}` instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(diagnostics, name)
+    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")

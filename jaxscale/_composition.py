@@ -89,7 +89,7 @@ def find_state(
                 " An nnx.State (from `nnx.split`) holds the optimizer's arrays but "
                 "not the loss scale's configuration, which lives in the GraphDef: "
                 "merge first, `optimizer = nnx.merge(graphdef, state)`, and pass "
-                "the optimizer (or `optimizer.opt_state`). `jxs.summary` and "
+                "the optimizer (or `optimizer.opt_state`). `jxs.diagnostics.summary` and "
                 "`jxs.validate_state` take the nnx.State itself."
             )
         raise ValueError(

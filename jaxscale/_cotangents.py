@@ -79,9 +79,9 @@ class CotangentStats(NamedTuple):
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
       >>> def loss(x):
-      ...     return jnp.sum(jxs.cotangent_probe(x, "x") * 1e-9)
-      >>> stats = jxs.cotangent_report(loss, 1.0)(jnp.ones(4))["x"]
-      >>> isinstance(stats, jxs.CotangentStats), float(stats.flush_fraction)
+      ...     return jnp.sum(jxs.diagnostics.cotangent_probe(x, "x") * 1e-9)
+      >>> stats = jxs.diagnostics.cotangent_report(loss, 1.0)(jnp.ones(4))["x"]
+      >>> isinstance(stats, jxs.diagnostics.CotangentStats), float(stats.flush_fraction)
       (True, 1.0)
     """
 
@@ -245,12 +245,12 @@ def cotangent_probe(
       >>> import jaxscale as jxs
       >>> import jax, jax.numpy as jnp
       >>> def loss(w, x):
-      ...     h = jxs.cotangent_probe(jnp.tanh(x @ w), "hidden")
+      ...     h = jxs.diagnostics.cotangent_probe(jnp.tanh(x @ w), "hidden")
       ...     return jnp.mean(h)
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
       >>> jax.grad(loss)(w, x).shape  # no report active: the identity
       (3, 2)
-      >>> report = jxs.cotangent_report(loss, 2.0**10)(w, x)
+      >>> report = jxs.diagnostics.cotangent_report(loss, 2.0**10)(w, x)
       >>> float(report["hidden"].size), float(report["hidden"].max_abs)
       (8.0, 128.0)
     """
@@ -464,13 +464,13 @@ def cotangent_report(
       >>> import jaxscale as jxs
       >>> import jax, jax.numpy as jnp
       >>> def loss(w, x):
-      ...     h = jxs.cotangent_probe(x @ w, "logits")
+      ...     h = jxs.diagnostics.cotangent_probe(x @ w, "logits")
       ...     return jnp.mean(h) * 1e-8  # a tiny loss: tiny cotangents
-      >>> report_fn = jax.jit(jxs.cotangent_report(loss, 1.0, jnp.float16))
+      >>> report_fn = jax.jit(jxs.diagnostics.cotangent_report(loss, 1.0, jnp.float16))
       >>> r = report_fn(jnp.ones((3, 2)), jnp.ones((4, 3)))["logits"]
       >>> float(r.flush_fraction)
       1.0
-      >>> r = jxs.cotangent_report(loss, 2.0**15)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> r = jxs.diagnostics.cotangent_report(loss, 2.0**15)(jnp.ones((3, 2)), jnp.ones((4, 3)))
       >>> float(r["logits"].flush_fraction), float(r["logits"].subnormal_fraction)
       (0.0, 1.0)
     """
@@ -498,8 +498,8 @@ def cotangent_report(
             jax.eval_shape(lambda a, s: _run(finder, pure, a, s), arrays, scale)
         if not finder.sites:
             raise ValueError(
-                "`fun` calls no `jxs.cotangent_probe`: mark the activations to "
-                "measure, e.g. `h = jxs.cotangent_probe(h, 'block0')`, inside the "
+                "`fun` calls no `jxs.diagnostics.cotangent_probe`: mark the activations to "
+                "measure, e.g. `h = jxs.diagnostics.cotangent_probe(h, 'block0')`, inside the "
                 "loss."
             )
         _layout(finder.sites)  # name errors before anything is compiled
@@ -546,8 +546,8 @@ def cotangent_table(report: dict[str, CotangentStats]) -> str:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
       >>> def loss(x):
-      ...     return jnp.sum(jxs.cotangent_probe(x, "x") * jnp.array([1e-9, 1.0]))
-      >>> print(jxs.cotangent_table(jxs.cotangent_report(loss)(jnp.ones(2))))
+      ...     return jnp.sum(jxs.diagnostics.cotangent_probe(x, "x") * jnp.array([1e-9, 1.0]))
+      >>> print(jxs.diagnostics.cotangent_table(jxs.diagnostics.cotangent_report(loss)(jnp.ones(2))))
       site  size  calls  zero%  flush%  subnorm%  over%  nonfin%  max|g|  headroom
       x        2      1   0.00   50.00      0.00   0.00     0.00       1     16.00
     """
@@ -555,8 +555,8 @@ def cotangent_table(report: dict[str, CotangentStats]) -> str:
         isinstance(v, CotangentStats) for v in report.values()
     ):
         raise TypeError(
-            "`report` must be the dict of jxs.CotangentStats that "
-            f"`jxs.cotangent_report(...)(...)` returns, got {type(report).__name__}."
+            "`report` must be the dict of jxs.diagnostics.CotangentStats that "
+            f"`jxs.diagnostics.cotangent_report(...)(...)` returns, got {type(report).__name__}."
         )
     host = jax.device_get(report)
     head = ["site", "size", "calls", "zero%", "flush%", "subnorm%", "over%"]

@@ -89,7 +89,7 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
       >>> state = tx.init(jnp.zeros(2))
       >>> _, state = tx.update(jnp.array([jnp.nan, 0.0]), state)
-      >>> logs = {k: v.item() for k, v in jxs.summary(state).items()}
+      >>> logs = {k: v.item() for k, v in jxs.diagnostics.summary(state).items()}
       >>> for key, value in logs.items():
       ...     print(f"{key}: {value}")
       steps: 1
@@ -131,7 +131,7 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
     leaves' names). Names are key paths joined by ``/``, e.g.
     ``"encoder/layers/0/kernel"`` (``"<root>"`` for a tree that is one array).
     This reads the flags, so it synchronises with the device: call it on the
-    host, e.g. when ``jxs.summary(state)["last_step_finite"]`` is false.
+    host, e.g. when ``jxs.diagnostics.summary(state)["last_step_finite"]`` is false.
 
     Args:
       flags_or_state: an optimizer state holding a
@@ -154,7 +154,7 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
       >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}}
       >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.ones(1)}}
       >>> _, state = tx.update(grads, tx.init(params), params)
-      >>> jxs.nonfinite_paths(state)
+      >>> jxs.diagnostics.nonfinite_paths(state)
       ['dense/kernel']
     """
     flags = flags_or_state
@@ -228,10 +228,10 @@ class UnderflowReport(NamedTuple):
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
-      >>> r = jxs.underflow_report({"w": jnp.array([1e-8, 2.0])}, jnp.float16)
+      >>> r = jxs.diagnostics.underflow_report({"w": jnp.array([1e-8, 2.0])}, jnp.float16)
       >>> float(r.zero_fraction_unscaled), float(r.headroom_log2) > 14
       (0.5, True)
-      >>> isinstance(r, jxs.UnderflowReport)
+      >>> isinstance(r, jxs.diagnostics.UnderflowReport)
       True
     """
 
@@ -354,7 +354,7 @@ def underflow_report(
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
       >>> grads = {"w": jnp.array([1e-9, 1e-6, 1e-3, 1.0])}
-      >>> r = jxs.underflow_report(grads, jnp.float16, loss_scale=2.0**10)
+      >>> r = jxs.diagnostics.underflow_report(grads, jnp.float16, loss_scale=2.0**10)
       >>> float(r.zero_fraction_unscaled), float(r.subnormal_fraction_unscaled)
       (0.25, 0.25)
       >>> float(r.zero_fraction), float(r.subnormal_fraction)
@@ -447,9 +447,9 @@ def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
       >>> import jax.numpy as jnp
       >>> g = {"dense": {"kernel": jnp.array([3.0, 4.0], jnp.float16),
       ...                "bias": jnp.array([12.0])}}
-      >>> {k: float(v) for k, v in jxs.layer_norms(g).items()}
+      >>> {k: float(v) for k, v in jxs.diagnostics.layer_norms(g).items()}
       {'dense/bias': 12.0, 'dense/kernel': 5.0}
-      >>> jxs.layer_norms(g, depth=1)
+      >>> jxs.diagnostics.layer_norms(g, depth=1)
       {'dense': Array(13., dtype=float32)}
     """
     if depth is not None:

@@ -65,7 +65,7 @@ class OverflowEvent(NamedTuple):
       >>> import jax, jax.numpy as jnp, optax
       >>> events = []
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
-      >>> tx = jxs.monitor(tx, on_overflow=events.append)
+      >>> tx = jxs.diagnostics.monitor(tx, on_overflow=events.append)
       >>> params = {"w": jnp.ones(2), "b": jnp.zeros(1)}
       >>> grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(1)}
       >>> _ = tx.update(grads, tx.init(params), params)
@@ -96,12 +96,12 @@ class ScaleAtFloorWarning(RuntimeWarning):
     callback reaches your loop as ``jax.errors.JaxRuntimeError`` (on CPU:
     ``INTERNAL: CpuCallback error calling callback: ...``), raised by the step
     that fired, whose message ends with this warning's text. To stop a run with
-    an exception of your own, test ``jxs.summary(opt_state)["steps_at_floor"]``
+    an exception of your own, test ``jxs.diagnostics.summary(opt_state)["steps_at_floor"]``
     where you log.
 
     Examples:
       >>> import jaxscale as jxs
-      >>> issubclass(jxs.ScaleAtFloorWarning, RuntimeWarning)
+      >>> issubclass(jxs.diagnostics.ScaleAtFloorWarning, RuntimeWarning)
       True
     """
 
@@ -244,7 +244,7 @@ def make_options(on_overflow: Any, warn_at_floor_after: Any) -> Options | None:
     """Validates the hooks; ``None`` when neither is given."""
     if on_overflow is not None and not callable(on_overflow):
         raise TypeError(
-            "`on_overflow` must be None or a callable taking a jxs.OverflowEvent, "
+            "`on_overflow` must be None or a callable taking a jxs.diagnostics.OverflowEvent, "
             f"got {on_overflow!r}."
         )
     if warn_at_floor_after is not None:
@@ -361,7 +361,7 @@ def monitor(
       >>> import jax, jax.numpy as jnp, optax
       >>> events = []
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
-      >>> tx = jxs.monitor(tx, on_overflow=events.append)
+      >>> tx = jxs.diagnostics.monitor(tx, on_overflow=events.append)
       >>> params = {"w": jnp.ones(2), "b": jnp.zeros(1)}
       >>> grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(1)}
       >>> _ = tx.update(grads, tx.init(params), params)
@@ -377,7 +377,7 @@ def monitor(
     options = make_options(on_overflow, warn_at_floor_after)
     if options is None:
         raise ValueError(
-            "`jxs.monitor` needs at least one hook: pass `on_overflow=` and/or "
+            "`jxs.diagnostics.monitor` needs at least one hook: pass `on_overflow=` and/or "
             "`warn_at_floor_after=`, got neither."
         )
     tx = optax.with_extra_args_support(tx)

@@ -142,7 +142,7 @@ class TrainState(train_state.TrainState):
     :func:`jaxscale.accumulate`. So ``step`` equals the inner optimizer's own
     count (what drives an optax learning-rate schedule) and is a faithful label
     for checkpoints and logs. Update attempts and skips are counted in the
-    optimizer state (``jxs.summary(state.opt_state)``).
+    optimizer state (``jxs.diagnostics.summary(state.opt_state)``).
 
     Forward-overflow guard: other fields passed to ``apply_gradients`` as
     keyword arguments (e.g. ``batch_stats`` from the forward pass) keep their

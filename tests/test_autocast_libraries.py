@@ -484,7 +484,7 @@ def test_equinox_stateful_model_trains_with_float32_state():
     assert np.mean(losses[-5:]) < 0.1 * losses[0], losses[::10]
     assert_finite(params)
     assert {p.dtype for p in jax.tree.leaves(params)} == {F32}
-    assert int(jxs.summary(opt_state)["skipped_steps"]) <= 5
+    assert int(jxs.diagnostics.summary(opt_state)["skipped_steps"]) <= 5
     # The counter is weakly typed (`jnp.array(0)`): losing that retraces the step.
     assert shapes(state) == state0
     assert len(traces) == 1

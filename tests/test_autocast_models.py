@@ -112,7 +112,7 @@ def test_linen_model_with_default_dtype_trains_through_autocast():
     assert losses[-1] < 0.25 * losses[0]
     assert abs(losses[-1] - losses32[-1]) < 0.1 * losses32[-1] + 1e-3
     assert {leaf.dtype for leaf in jax.tree.leaves(p)} == {F32}
-    assert int(jxs.summary(opt_state)["skipped_steps"]) <= 1
+    assert int(jxs.diagnostics.summary(opt_state)["skipped_steps"]) <= 1
     jaxpr = jax.make_jaxpr(jxs.autocast(loss_fn))(params, x, y)
     dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 3 and all(e.outvars[0].aval.dtype == F16 for e in dots)

@@ -480,14 +480,14 @@ def test_diagnostic_options_never_change_what_restores(
 ):
     """Switching a diagnostic on or off between save and restore is safe: the
     state's structure does not depend on them: the per-leaf flags are always
-    kept and ``jxs.monitor`` adds no state. (0.1.0 added a flags subtree with
+    kept and ``jxs.diagnostics.monitor`` adds no state. (0.1.0 added a flags subtree with
     ``track_nonfinite=True``, which broke both orbax and flax restores.)"""
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
 
     def make(options):
         tx = jxs.dynamic_scaling(optax.sgd(0.1))
         hooks = DIAGNOSTIC_OPTIONS[options]
-        return tx if hooks is None else jxs.monitor(tx, **hooks)
+        return tx if hooks is None else jxs.diagnostics.monitor(tx, **hooks)
 
     tx = make(saved)
     state = tx.init(params)
@@ -497,7 +497,7 @@ def test_diagnostic_options_never_change_what_restores(
     out = BACKENDS[backend](tmp_path, state, make(restored).init(params))
     out = jxs.validate_state(out)
     assert_bit_identical(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, state))
-    assert jxs.nonfinite_paths(out) == ["w"]
+    assert jxs.diagnostics.nonfinite_paths(out) == ["w"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -528,10 +528,10 @@ def test_a_0_1_0_checkpoint_without_flags_loads_through_upgrade_checkpoint(
         jax.tree.map(np.asarray, restored.inner_state._replace(nonfinite_leaves=None)),
         jax.tree.map(np.asarray, old.inner_state),
     )
-    assert jxs.nonfinite_paths(restored) == []
-    assert int(jxs.summary(restored)["skipped_steps"]) == 1
+    assert jxs.diagnostics.nonfinite_paths(restored) == []
+    assert int(jxs.diagnostics.summary(restored)["skipped_steps"]) == 1
     _, state = jax.jit(tx.update)(params, restored)  # trains on
-    assert int(jxs.summary(state)["steps"]) == 4
+    assert int(jxs.diagnostics.summary(state)["steps"]) == 4
 
 
 def test_upgrade_checkpoint_errors():

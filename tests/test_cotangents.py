@@ -1,4 +1,4 @@
-"""jxs.cotangent_probe / cotangent_report / cotangent_table: per-site statistics of
+"""jxs.diagnostics.cotangent_probe / cotangent_report / cotangent_table: per-site statistics of
 activation gradients agree with NumPy on the same cotangents obtained by jax.grad."""
 
 import re
@@ -34,8 +34,8 @@ def head(h, w2):
 
 
 def loss_fn(w1, w2, x):
-    h = jxs.cotangent_probe(hidden(w1, x), "hidden")
-    logits = jxs.cotangent_probe(h @ w2, "logits")
+    h = jxs.diagnostics.cotangent_probe(hidden(w1, x), "hidden")
+    logits = jxs.diagnostics.cotangent_probe(h @ w2, "logits")
     return jnp.mean(jnp.tanh(logits) * C[None, :])
 
 
@@ -87,11 +87,11 @@ def assert_matches(stats, expected, *, max_exact=True):
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("scale", [1.0, 2.0**10, 2.0**24])
 def test_fractions_match_numpy_on_the_same_cotangents(dtype, scale):
-    report = jxs.cotangent_report(loss_fn, scale, dtype)(W1, W2, X)
+    report = jxs.diagnostics.cotangent_report(loss_fn, scale, dtype)(W1, W2, X)
     assert list(report) == ["hidden", "logits"]
     expected = reference_cotangents(scale)
     for name, stats in report.items():
-        assert isinstance(stats, jxs.CotangentStats)
+        assert isinstance(stats, jxs.diagnostics.CotangentStats)
         assert all(v.dtype == jnp.float32 and v.shape == () for v in stats)
         assert float(stats.calls) == 1 and float(stats.loss_scale) == scale
         assert_matches(stats, numpy_stats(expected[name], dtype))
@@ -99,9 +99,9 @@ def test_fractions_match_numpy_on_the_same_cotangents(dtype, scale):
 
 def test_the_tiny_site_underflows_and_a_scale_recovers_it():
     """The known case: at scale 1 float16 flushes the 1e-12.. weights of `C`."""
-    at_1 = jxs.cotangent_report(loss_fn, 1.0)(W1, W2, X)["logits"]
-    at_2_16 = jxs.cotangent_report(loss_fn, 2.0**16)(W1, W2, X)["logits"]
-    at_2_40 = jxs.cotangent_report(loss_fn, 2.0**40)(W1, W2, X)["logits"]
+    at_1 = jxs.diagnostics.cotangent_report(loss_fn, 1.0)(W1, W2, X)["logits"]
+    at_2_16 = jxs.diagnostics.cotangent_report(loss_fn, 2.0**16)(W1, W2, X)["logits"]
+    at_2_40 = jxs.diagnostics.cotangent_report(loss_fn, 2.0**40)(W1, W2, X)["logits"]
     # Columns 1e-12, 1e-9.6, 1e-7.2 of C (about 1e-14 .. 1e-9 after the mean)
     # flush at scale 1: half of the elements.
     assert float(at_1.flush_fraction) == pytest.approx(0.5)
@@ -118,8 +118,8 @@ def test_under_jit_and_no_retrace():
         traces.append(1)
         return loss_fn(*args)
 
-    report_fn = jax.jit(jxs.cotangent_report(counted, 2.0**10))
-    eager = jxs.cotangent_report(loss_fn, 2.0**10)(W1, W2, X)
+    report_fn = jax.jit(jxs.diagnostics.cotangent_report(counted, 2.0**10))
+    eager = jxs.diagnostics.cotangent_report(loss_fn, 2.0**10)(W1, W2, X)
     jitted = report_fn(W1, W2, X)
     report_fn(W1 * 2, W2, X)
     assert len(traces) == 2  # eval_shape + grad, once
@@ -135,7 +135,7 @@ def test_loss_scale_forms_agree():
     tx = jxs.dynamic_scaling(optax.sgd(0.1), ls)
     state = tx.init((W1, W2))
     forms = [2.0**12, ls, state]
-    reports = [jxs.cotangent_report(loss_fn, s)(W1, W2, X) for s in forms]
+    reports = [jxs.diagnostics.cotangent_report(loss_fn, s)(W1, W2, X) for s in forms]
     for r in reports[1:]:
         for name in r:
             for a, b in zip(r[name], reports[0][name], strict=True):
@@ -147,11 +147,11 @@ def test_float16_model_zero_fraction_is_what_float16_flushed():
     w1, w2, x = (a.astype(jnp.float16) for a in (W1, W2, X))
 
     def loss16(w1, w2, x):
-        h = jxs.cotangent_probe(hidden(w1, x), "hidden")
-        logits = jxs.cotangent_probe(h @ w2, "logits")
+        h = jxs.diagnostics.cotangent_probe(hidden(w1, x), "hidden")
+        logits = jxs.diagnostics.cotangent_probe(h @ w2, "logits")
         return jnp.mean(jnp.tanh(logits) * C[None, :].astype(jnp.float16))
 
-    report = jxs.cotangent_report(loss16, 1.0)(w1, w2, x)["logits"]
+    report = jxs.diagnostics.cotangent_report(loss16, 1.0)(w1, w2, x)["logits"]
     h = hidden(w1, x)
     ct = jax.grad(lambda z: jnp.mean(jnp.tanh(z) * C[None, :].astype(jnp.float16)))(
         h @ w2
@@ -164,13 +164,13 @@ def test_float16_model_zero_fraction_is_what_float16_flushed():
 def test_pytree_activation_and_has_aux():
     def fun(w1, w2, x):
         h = hidden(w1, x)
-        pair = jxs.cotangent_probe(
+        pair = jxs.diagnostics.cotangent_probe(
             {"a": h, "b": h @ w2, "n": jnp.int32(3), "none": None}, "pair"
         )
         loss = jnp.mean(pair["a"]) + jnp.mean(jnp.tanh(pair["b"]) * C[None, :])
         return loss, {"n": pair["n"]}
 
-    stats = jxs.cotangent_report(fun, 8.0, has_aux=True)(W1, W2, X)["pair"]
+    stats = jxs.diagnostics.cotangent_report(fun, 8.0, has_aux=True)(W1, W2, X)["pair"]
     h = hidden(W1, X)
     ga, gb = jax.grad(
         lambda a, b: 8.0 * (jnp.mean(a) + jnp.mean(jnp.tanh(b) * C[None, :])),
@@ -182,10 +182,10 @@ def test_pytree_activation_and_has_aux():
 
 def test_site_that_does_not_reach_the_loss():
     def fun(x):
-        jxs.cotangent_probe(x * 2, "unused")
-        return jnp.sum(jxs.cotangent_probe(x, "used"))
+        jxs.diagnostics.cotangent_probe(x * 2, "unused")
+        return jnp.sum(jxs.diagnostics.cotangent_probe(x, "used"))
 
-    report = jxs.cotangent_report(fun)(jnp.ones(3))
+    report = jxs.diagnostics.cotangent_report(fun)(jnp.ones(3))
     assert float(report["used"].calls) == 1 and float(report["used"].size) == 3
     unused = report["unused"]
     assert float(unused.calls) == 0 and float(unused.size) == 0
@@ -204,13 +204,13 @@ XS = jax.random.normal(jax.random.key(4), (5, 8)) * 1e-3
 def loop_loss(ws, x):
     h = x
     for i in range(LAYERS):
-        h = jxs.cotangent_probe(jnp.tanh(h @ ws[i]), f"layer{i}")
+        h = jxs.diagnostics.cotangent_probe(jnp.tanh(h @ ws[i]), f"layer{i}")
     return jnp.mean(h**2)
 
 
 def _scan_body(h, inputs):  # module level: lax.scan caches its trace
     w, i = inputs
-    h = jxs.cotangent_probe(jnp.tanh(h @ w), "layer", index=i, size=LAYERS)
+    h = jxs.diagnostics.cotangent_probe(jnp.tanh(h @ w), "layer", index=i, size=LAYERS)
     return h, None
 
 
@@ -221,7 +221,7 @@ def scan_loss(ws, x):
 
 def test_python_loop_against_numpy():
     scale = 2.0**8
-    report = jxs.cotangent_report(loop_loss, scale)(WS, XS)
+    report = jxs.diagnostics.cotangent_report(loop_loss, scale)(WS, XS)
     hs, h = [], XS
     for i in range(LAYERS):
         h = jnp.tanh(h @ WS[i])
@@ -240,9 +240,9 @@ def test_python_loop_against_numpy():
 @pytest.mark.parametrize("jit", [False, True])
 def test_scan_with_index_gives_one_row_per_layer(jit):
     scale = 2.0**8
-    fn = jxs.cotangent_report(scan_loss, scale)
+    fn = jxs.diagnostics.cotangent_report(scan_loss, scale)
     report = (jax.jit(fn) if jit else fn)(WS, XS)
-    loop = jxs.cotangent_report(loop_loss, scale)(WS, XS)
+    loop = jxs.diagnostics.cotangent_report(loop_loss, scale)(WS, XS)
     assert list(report) == [f"layer[{i}]" for i in range(LAYERS)]
     for i in range(LAYERS):
         for a, b in zip(report[f"layer[{i}]"], loop[f"layer{i}"], strict=True):
@@ -251,14 +251,14 @@ def test_scan_with_index_gives_one_row_per_layer(jit):
 
 def test_scan_without_index_aggregates():
     def body(h, w):
-        return jxs.cotangent_probe(jnp.tanh(h @ w), "layer"), None
+        return jxs.diagnostics.cotangent_probe(jnp.tanh(h @ w), "layer"), None
 
     def fun(ws, x):
         return jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2)
 
     scale = 2.0**8
-    agg = jxs.cotangent_report(fun, scale)(WS, XS)["layer"]
-    per = jxs.cotangent_report(loop_loss, scale)(WS, XS)
+    agg = jxs.diagnostics.cotangent_report(fun, scale)(WS, XS)["layer"]
+    per = jxs.diagnostics.cotangent_report(loop_loss, scale)(WS, XS)
     rows = [per[f"layer{i}"] for i in range(LAYERS)]
     assert float(agg.calls) == LAYERS
     assert float(agg.size) == sum(float(r.size) for r in rows)
@@ -272,10 +272,10 @@ def test_scan_without_index_aggregates():
     def loop_same(ws, x):
         h = x
         for i in range(LAYERS):
-            h = jxs.cotangent_probe(jnp.tanh(h @ ws[i]), "layer")
+            h = jxs.diagnostics.cotangent_probe(jnp.tanh(h @ ws[i]), "layer")
         return jnp.mean(h**2)
 
-    same = jxs.cotangent_report(loop_same, scale)(WS, XS)["layer"]
+    same = jxs.diagnostics.cotangent_report(loop_same, scale)(WS, XS)["layer"]
     assert float(same.max_abs) == true_max
     np.testing.assert_allclose(same.flush_fraction, agg.flush_fraction, 1e-6)
 
@@ -288,8 +288,8 @@ def test_vmap_per_example():
         return jnp.mean(jax.vmap(per_example, in_axes=(None, 0))(ws, xs))
 
     scale = 2.0**8
-    report = jxs.cotangent_report(fun, scale)(WS, XS)
-    batch = jxs.cotangent_report(loop_loss, scale)(WS, XS)
+    report = jxs.diagnostics.cotangent_report(fun, scale)(WS, XS)
+    batch = jxs.diagnostics.cotangent_report(loop_loss, scale)(WS, XS)
     for i in range(LAYERS):
         v, b = report[f"layer{i}"], batch[f"layer{i}"]
         assert float(v.calls) == XS.shape[0] and float(v.size) == float(b.size)
@@ -303,12 +303,12 @@ def test_out_of_range_index_is_nan():
     def fun(ws, x):
         def body(h, inputs):
             w, i = inputs
-            h = jxs.cotangent_probe(jnp.tanh(h @ w), "layer", index=i + 1, size=LAYERS)
+            h = jxs.diagnostics.cotangent_probe(jnp.tanh(h @ w), "layer", index=i + 1, size=LAYERS)
             return h, None
 
         return jnp.mean(jax.lax.scan(body, x, (ws, jnp.arange(LAYERS)))[0] ** 2)
 
-    report = jxs.cotangent_report(fun, 2.0**8)(WS, XS)
+    report = jxs.diagnostics.cotangent_report(fun, 2.0**8)(WS, XS)
     assert all(np.isnan(float(s.zero_fraction)) for s in report.values())
     assert all(float(s.loss_scale) == 2.0**8 for s in report.values())
 
@@ -321,13 +321,13 @@ def test_out_of_range_index_is_nan():
 def test_cached_traces_are_not_reused():
     """jit, checkpoint and a module-level scan body were traced without probes
     first; the report traces them afresh, on every call."""
-    expected = jxs.cotangent_report(scan_loss, 2.0**8)(WS, XS)
+    expected = jxs.diagnostics.cotangent_report(scan_loss, 2.0**8)(WS, XS)
     jitted = jax.jit(scan_loss)
     jitted(WS, XS)
     remat = jax.checkpoint(scan_loss)
     jax.eval_shape(jax.grad(remat), WS, XS)
     for fun in (jitted, remat, scan_loss):  # scan_loss again: no stale taps
-        got = jxs.cotangent_report(fun, 2.0**8)(WS, XS)
+        got = jxs.diagnostics.cotangent_report(fun, 2.0**8)(WS, XS)
         for name in expected:
             for a, b in zip(got[name], expected[name], strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -360,8 +360,8 @@ def test_nnx_module_is_not_mutated():
             self.out = nnx.Linear(8, 6, rngs=rngs)
 
         def __call__(self, x):
-            h = jxs.cotangent_probe(self.drop(self.norm(self.dense(x))), "hidden")
-            return jxs.cotangent_probe(self.out(jnp.tanh(h)), "logits")
+            h = jxs.diagnostics.cotangent_probe(self.drop(self.norm(self.dense(x))), "hidden")
+            return jxs.diagnostics.cotangent_probe(self.out(jnp.tanh(h)), "logits")
 
     model = Net(nnx.Rngs(0, dropout=1))
     before = jax.tree.map(_host, nnx.state(model))
@@ -369,7 +369,7 @@ def test_nnx_module_is_not_mutated():
     def nnx_loss(model, x):
         return jnp.mean(jnp.tanh(model(x)) * C[None, :])
 
-    report = jxs.cotangent_report(nnx_loss, 2.0**10)(model, X)
+    report = jxs.diagnostics.cotangent_report(nnx_loss, 2.0**10)(model, X)
     assert list(report) == ["hidden", "logits"]
     after = jax.tree.map(_host, nnx.state(model))
     jax.tree.map(np.testing.assert_array_equal, before, after)
@@ -380,7 +380,7 @@ def test_nnx_module_is_not_mutated():
     ct = jax.grad(lambda z: jnp.mean(jnp.tanh(z) * C[None, :]) * 2.0**10)(logits)
     assert_matches(report["logits"], numpy_stats([ct], F16))
     # Keyword arguments work too.
-    kw = jxs.cotangent_report(nnx_loss, 2.0**10)(model=model, x=X)
+    kw = jxs.diagnostics.cotangent_report(nnx_loss, 2.0**10)(model=model, x=X)
     assert float(kw["hidden"].size) == float(report["hidden"].size)
 
 
@@ -390,8 +390,8 @@ def test_linen_module():
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
-            h = jxs.cotangent_probe(jnp.tanh(nn.Dense(8)(x)), "hidden")
-            return jxs.cotangent_probe(nn.Dense(6)(h), "logits")
+            h = jxs.diagnostics.cotangent_probe(jnp.tanh(nn.Dense(8)(x)), "hidden")
+            return jxs.diagnostics.cotangent_probe(nn.Dense(6)(h), "logits")
 
     model = Net()
     params = model.init(jax.random.key(0), X)
@@ -399,7 +399,7 @@ def test_linen_module():
     def linen_loss(params, x):
         return jnp.mean(jnp.tanh(model.apply(params, x)) * C[None, :])
 
-    report = jxs.cotangent_report(linen_loss, 2.0**10)(params, X)
+    report = jxs.diagnostics.cotangent_report(linen_loss, 2.0**10)(params, X)
     logits = model.apply(params, X)
     ct = jax.grad(lambda z: jnp.mean(jnp.tanh(z) * C[None, :]) * 2.0**10)(logits)
     assert_matches(report["logits"], numpy_stats([ct], F16))
@@ -411,8 +411,8 @@ def test_linen_module():
 
 
 def test_table():
-    report = jxs.cotangent_report(scan_loss, 2.0**8)(WS, XS)
-    lines = jxs.cotangent_table(report).splitlines()
+    report = jxs.diagnostics.cotangent_report(scan_loss, 2.0**8)(WS, XS)
+    lines = jxs.diagnostics.cotangent_table(report).splitlines()
     assert lines[0].split() == [
         "site",
         "size",
@@ -432,7 +432,7 @@ def test_table():
     assert row[4] == f"{100 * float(s.flush_fraction):.2f}"
     assert row[-1] == f"{float(s.headroom_log2):.2f}"
     with pytest.raises(TypeError, match=r"`report` must be the dict"):
-        jxs.cotangent_table([1, 2])
+        jxs.diagnostics.cotangent_table([1, 2])
 
 
 # --------------------------------------------------------------------------- #
@@ -461,16 +461,16 @@ def test_table():
 def test_probe_rejects(kwargs, error, match):
     kwargs = {"name": "site", **kwargs}
     with pytest.raises(error, match=match):
-        jxs.cotangent_probe(jnp.ones(2), **kwargs)
+        jxs.diagnostics.cotangent_probe(jnp.ones(2), **kwargs)
 
 
 def test_probe_needs_a_floating_leaf():
     def fun(x):
-        jxs.cotangent_probe(jnp.int32(1), "ints")
+        jxs.diagnostics.cotangent_probe(jnp.int32(1), "ints")
         return jnp.sum(x)
 
     with pytest.raises(TypeError, match=r"`x` of `cotangent_probe\(x, 'ints'\)`"):
-        jxs.cotangent_report(fun)(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(fun)(jnp.ones(2))
 
 
 @pytest.mark.parametrize(
@@ -484,32 +484,32 @@ def test_probe_needs_a_floating_leaf():
 )
 def test_report_rejects_at_construction(args, error, match):
     with pytest.raises(error, match=match):
-        jxs.cotangent_report(*args)
+        jxs.diagnostics.cotangent_report(*args)
 
 
 def test_report_rejects_bad_functions():
-    with pytest.raises(ValueError, match=r"calls no `jxs.cotangent_probe`"):
-        jxs.cotangent_report(lambda x: jnp.sum(x))(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"calls no `jxs.diagnostics.cotangent_probe`"):
+        jxs.diagnostics.cotangent_report(lambda x: jnp.sum(x))(jnp.ones(2))
     with pytest.raises(TypeError, match=r"must return a floating scalar loss"):
-        jxs.cotangent_report(lambda x: jxs.cotangent_probe(x, "x"))(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(lambda x: jxs.diagnostics.cotangent_probe(x, "x"))(jnp.ones(2))
     with pytest.raises(TypeError, match=r"as the first element of `\(loss, aux\)`"):
-        jxs.cotangent_report(lambda x: (jxs.cotangent_probe(x, "x"), 0), has_aux=True)(
+        jxs.diagnostics.cotangent_report(lambda x: (jxs.diagnostics.cotangent_probe(x, "x"), 0), has_aux=True)(
             jnp.ones(2)
         )
 
     def sizes(x):
-        x = jxs.cotangent_probe(x, "a", index=0, size=2)
-        return jnp.sum(jxs.cotangent_probe(x, "a", index=0, size=3))
+        x = jxs.diagnostics.cotangent_probe(x, "a", index=0, size=2)
+        return jnp.sum(jxs.diagnostics.cotangent_probe(x, "a", index=0, size=3))
 
     with pytest.raises(ValueError, match=r"site 'a' is called with size=2 and"):
-        jxs.cotangent_report(sizes)(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(sizes)(jnp.ones(2))
 
     def collide(x):
-        x = jxs.cotangent_probe(x, "a", index=0, size=2)
-        return jnp.sum(jxs.cotangent_probe(x, "a[1]"))
+        x = jxs.diagnostics.cotangent_probe(x, "a", index=0, size=2)
+        return jnp.sum(jxs.diagnostics.cotangent_probe(x, "a[1]"))
 
     with pytest.raises(ValueError, match=r"names collide on \['a\[1\]'\]"):
-        jxs.cotangent_report(collide)(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(collide)(jnp.ones(2))
 
 
 def test_value_dependent_probes_are_loud():
@@ -518,11 +518,11 @@ def test_value_dependent_probes_are_loud():
     def counted(x):  # a different number of probes on each trace
         calls.append(1)
         for i in range(len(calls)):
-            x = jxs.cotangent_probe(x, f"p{i}")
+            x = jxs.diagnostics.cotangent_probe(x, f"p{i}")
         return jnp.sum(x)
 
     with pytest.raises(RuntimeError, match=r"differently in the two traces"):
-        jxs.cotangent_report(counted)(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(counted)(jnp.ones(2))
 
 
 # --------------------------------------------------------------------------- #

@@ -55,7 +55,7 @@ def test_summary_inside_jit_has_no_host_transfer():
     @jax.jit
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, jxs.summary(state)
+        return optax.apply_updates(params, updates), state, jxs.diagnostics.summary(state)
 
     state = tx.init(params)
     good, bad = grads_like(params, 1.0), grads_like(params, math.nan)
@@ -64,7 +64,7 @@ def test_summary_inside_jit_has_no_host_transfer():
         for g in [good, bad, bad, good]:
             params, state, summary = step(params, state, g)
             logs.append(summary)
-        outside = jxs.summary(state)  # eager, still no transfer
+        outside = jxs.diagnostics.summary(state)  # eager, still no transfer
     assert list(outside) == [
         *KEYS,
         "growth_tracker",
@@ -94,19 +94,19 @@ def test_summary_finds_the_state_anywhere():
         optax.chain(base, optax.clip(1.0)),
         jxs.accumulate(base, every_k=2),
     ]:
-        s = jxs.summary(tx.init(params))
+        s = jxs.diagnostics.summary(tx.init(params))
         assert list(s) == [*KEYS, "nonfinite_leaves"]  # static scale: no trackers
         assert float(s["loss_scale"]) == 4.0
 
 
 def test_summary_errors():
     with pytest.raises(ValueError, match="`opt_state` contains no jxs.DynamicScal"):
-        jxs.summary(optax.sgd(0.1).init(make_params()))
+        jxs.diagnostics.summary(optax.sgd(0.1).init(make_params()))
     two = optax.chain(
         jxs.dynamic_scaling(optax.sgd(0.1)), jxs.dynamic_scaling(optax.sgd(0.1))
     )
     with pytest.raises(ValueError, match="`opt_state` contains 2 jxs.DynamicScal"):
-        jxs.summary(two.init(make_params()))
+        jxs.diagnostics.summary(two.init(make_params()))
 
 
 def test_steps_at_floor_counts_consecutive_steps_at_min_scale():
@@ -160,18 +160,18 @@ def test_flags_name_the_leaves_of_the_last_step(dtype, bad):
     flags = state.nonfinite_leaves
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(flags)] == [((4,), jnp.bool_)]
     assert flags.names == ("count", "dense/bias", "dense/kernel", "head")
-    assert jxs.nonfinite_paths(state) == []
+    assert jxs.diagnostics.nonfinite_paths(state) == []
     step = jax.jit(tx.update)
     grads = grads_like(params, 4.0)
     grads["count"] = jnp.int32(7)
     grads["dense"]["kernel"] = grads["dense"]["kernel"].at[0, 1].set(bad)
     grads["head"] = jnp.array(bad, dtype)
     _, state = step(grads, state, params)
-    assert jxs.nonfinite_paths(state) == ["dense/kernel", "head"]
-    assert jxs.nonfinite_paths(state.nonfinite_leaves) == ["dense/kernel", "head"]
-    assert int(jxs.summary(state)["nonfinite_leaves"]) == 2
+    assert jxs.diagnostics.nonfinite_paths(state) == ["dense/kernel", "head"]
+    assert jxs.diagnostics.nonfinite_paths(state.nonfinite_leaves) == ["dense/kernel", "head"]
+    assert int(jxs.diagnostics.summary(state)["nonfinite_leaves"]) == 2
     _, state = step(grads_like(params, 4.0), state, params)  # finite: cleared
-    assert jxs.nonfinite_paths(state) == []
+    assert jxs.diagnostics.nonfinite_paths(state) == []
 
 
 def test_flags_see_overflow_of_the_unscaling():
@@ -180,7 +180,7 @@ def test_flags_see_overflow_of_the_unscaling():
     tx = jxs.dynamic_scaling(optax.sgd(1.0), jxs.StaticLossScale.create(2.0**-10))
     grads = {"w": jnp.array([100.0, 1.0], jnp.float16), "b": jnp.ones(1, jnp.float16)}
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
-    assert jxs.nonfinite_paths(state) == ["w"]
+    assert jxs.diagnostics.nonfinite_paths(state) == ["w"]
 
 
 def test_flags_state_is_stable_in_scan_and_works_nested():
@@ -193,13 +193,13 @@ def test_flags_state_is_stable_in_scan_and_works_nested():
     def body(carry, _):
         p, s = carry
         u, s = tx.update(grads_like(p, 1.0), s, p)
-        return (optax.apply_updates(p, u), s), jxs.summary(s)["nonfinite_leaves"]
+        return (optax.apply_updates(p, u), s), jxs.diagnostics.summary(s)["nonfinite_leaves"]
 
     (_, state), counts = jax.jit(lambda c: jax.lax.scan(body, c, length=4))(
         (params, tx.init(params))
     )
     assert np.asarray(counts).tolist() == [0, 0, 1, 0]
-    assert jxs.nonfinite_paths(state) == []
+    assert jxs.diagnostics.nonfinite_paths(state) == []
 
 
 def test_nonfinite_paths_errors():
@@ -207,17 +207,17 @@ def test_nonfinite_paths_errors():
     plain = jxs.dynamic_scaling(optax.sgd(0.1))
     old = plain.init(params)._replace(nonfinite_leaves=None)  # a 0.1.0 state
     with pytest.raises(ValueError, match="holds no per-leaf flags.*jaxscale 0.1.0"):
-        jxs.nonfinite_paths(old)
+        jxs.diagnostics.nonfinite_paths(old)
     with pytest.raises(TypeError, match=r"leaf 'a' must be a boolean scalar.*float32"):
-        jxs.nonfinite_paths({"a": jnp.ones(())})
+        jxs.diagnostics.nonfinite_paths({"a": jnp.ones(())})
     tracked = jxs.dynamic_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match="cannot run inside `jax.jit`"):
-        jax.jit(jxs.nonfinite_paths)(tracked.init(params))
-    assert jxs.nonfinite_paths(jnp.bool_(True)) == ["<root>"]
+        jax.jit(jxs.diagnostics.nonfinite_paths)(tracked.init(params))
+    assert jxs.diagnostics.nonfinite_paths(jnp.bool_(True)) == ["<root>"]
 
 
 # --------------------------------------------------------------------------- #
-# jxs.monitor: on_overflow and warn_at_floor_after
+# jxs.diagnostics.monitor: on_overflow and warn_at_floor_after
 # --------------------------------------------------------------------------- #
 
 
@@ -225,7 +225,7 @@ def test_on_overflow_fires_only_on_skipped_steps_with_paths():
     params = make_params()
     events = []
     ls = jxs.DynamicLossScale.create(init_scale=2.0**8, growth_interval=100)
-    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), on_overflow=events.append)
+    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), on_overflow=events.append)
 
     @jax.jit
     def step(params, state, grads):
@@ -252,7 +252,7 @@ def test_on_overflow_fires_only_on_skipped_steps_with_paths():
         (64.0, 32.0),
     ]
     assert [e.consecutive_skips for e in events] == [1, 1, 2]
-    assert all(isinstance(e, jxs.OverflowEvent) for e in events)
+    assert all(isinstance(e, jxs.diagnostics.OverflowEvent) for e in events)
 
 
 def test_on_overflow_inside_scan():
@@ -260,7 +260,7 @@ def test_on_overflow_inside_scan():
     events = []
     tx = optax.chain(
         jxt.nonfinite_at([3, 7], paths="kernel", value=math.nan),
-        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append),
+        jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append),
     )
 
     def body(carry, _):
@@ -279,13 +279,13 @@ def test_on_overflow_inside_scan():
 def test_warn_at_floor_after_warns_once_per_stay():
     params = make_params()
     ls = jxs.DynamicLossScale.create(init_scale=4.0, min_scale=1.0, growth_interval=2)
-    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=3)
+    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=3)
     step = jax.jit(tx.update)
     state = tx.init(params)
     # 4 -> 2 -> 1 (floor: count 1) -> 2, 3 (warn), 4, 5, 6 -> grow -> 1 (count 1),
     # 2, 3 (warn again, on step 10).
     pattern = [False] * 6 + [True, True] + [False] * 3
-    with pytest.warns(jxs.ScaleAtFloorWarning) as record:
+    with pytest.warns(jxs.diagnostics.ScaleAtFloorWarning) as record:
         for finite in pattern:
             g = grads_like(params, 1.0 if finite else math.inf)
             _, state = step(g, state, params)
@@ -317,13 +317,13 @@ def test_warn_at_floor_after_warns_once_per_stay():
 )
 def test_option_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
-        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), **kwargs)
+        jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), **kwargs)
     with pytest.raises(TypeError, match="`tx` must be an optax.GradientTransformation"):
-        jxs.monitor(lambda g: g, on_overflow=print)
+        jxs.diagnostics.monitor(lambda g: g, on_overflow=print)
 
 
 def test_warn_at_floor_needs_a_floor():
-    tx = jxs.monitor(
+    tx = jxs.diagnostics.monitor(
         jxs.dynamic_scaling(optax.sgd(0.1), jxs.StaticLossScale.create(2.0)),
         warn_at_floor_after=5,
     )
@@ -342,7 +342,7 @@ def test_options_moved_out_of_the_core_raise():
 def test_monitor_under_accumulate_fires_once_per_window():
     events = []
     tx = jxs.accumulate(
-        jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append), 3
+        jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append), 3
     )
     params = make_params()
     state = tx.init(params)
@@ -392,7 +392,7 @@ def test_hooks_are_a_wrapper_the_plain_step_has_none():
     texts = {
         "plain": compiled_train_step(jxs.dynamic_scaling(inner())),
         "hooks": compiled_train_step(
-            jxs.monitor(
+            jxs.diagnostics.monitor(
                 jxs.dynamic_scaling(inner()), on_overflow=print, warn_at_floor_after=10
             )
         ),
@@ -409,7 +409,7 @@ def test_state_structure_does_not_depend_on_diagnostics():
     plain = jxs.dynamic_scaling(optax.sgd(0.1))
     states = [
         plain.init(params),
-        jxs.monitor(plain, on_overflow=print, warn_at_floor_after=3).init(params),
+        jxs.diagnostics.monitor(plain, on_overflow=print, warn_at_floor_after=3).init(params),
     ]
     structures = {jax.tree.structure(s) for s in states}
     assert len(structures) == 1
@@ -455,7 +455,7 @@ def test_underflow_report_matches_numpy(dtype, scale):
     g = (mags * signs).astype(np.float32)
     g[:5] = 0.0
     grads = {"a": jnp.asarray(g[:1000]), "b": jnp.asarray(g[1000:], jnp.float32)}
-    report = jax.jit(lambda t: jxs.underflow_report(t, dtype, scale))(grads)
+    report = jax.jit(lambda t: jxs.diagnostics.underflow_report(t, dtype, scale))(grads)
     assert all(v.shape == () and v.dtype == jnp.float32 for v in report)
     (z0, s0, _), (z, s, o), low, high = reference_report(
         [g[:1000], g[1000:]], dtype, scale
@@ -481,42 +481,42 @@ def test_underflow_report_matches_numpy(dtype, scale):
 
 def test_underflow_report_example_and_scale_sources():
     grads = {"w": jnp.array([1e-9, 1e-6, 1e-3, 1.0], jnp.float32)}
-    by_number = jxs.underflow_report(grads, jnp.float16, 2.0**10)
+    by_number = jxs.diagnostics.underflow_report(grads, jnp.float16, 2.0**10)
     ls = jxs.DynamicLossScale.create(init_scale=2.0**10)
     state = jxs.dynamic_scaling(optax.sgd(0.1), ls).init(grads)
     for source in [ls, state, jnp.float32(2.0**10), np.float32(2.0**10), 1024]:
         jxt.assert_bit_identical(
-            by_number, jxs.underflow_report(grads, "float16", source)
+            by_number, jxs.diagnostics.underflow_report(grads, "float16", source)
         )
     # With a scale past init_scale_high the largest element overflows.
-    over = jxs.underflow_report(grads, jnp.float16, 2.0**17)
+    over = jxs.diagnostics.underflow_report(grads, jnp.float16, 2.0**17)
     assert float(over.overflow_fraction) == 0.25 and float(over.headroom_log2) < 0
 
 
 def test_underflow_report_edge_cases():
-    zeros = jxs.underflow_report({"w": jnp.zeros(3), "i": jnp.arange(3)})
+    zeros = jxs.diagnostics.underflow_report({"w": jnp.zeros(3), "i": jnp.arange(3)})
     assert float(zeros.zero_fraction_unscaled) == 0.0
     assert float(zeros.headroom_log2) == math.inf
     assert float(zeros.init_scale_low) == 2.0**-126
     assert float(zeros.init_scale_high) == 2.0**127
-    bad = jxs.underflow_report({"w": jnp.array([jnp.inf, jnp.nan, 2.0])})
+    bad = jxs.diagnostics.underflow_report({"w": jnp.array([jnp.inf, jnp.nan, 2.0])})
     assert float(bad.max_abs) == 2.0 and float(bad.min_nonzero_abs) == 2.0
     assert float(bad.overflow_fraction) == 0.0
-    empty = jxs.underflow_report({})
+    empty = jxs.diagnostics.underflow_report({})
     assert float(empty.zero_fraction) == 0.0
 
 
 def test_underflow_report_errors():
     with pytest.raises(TypeError, match="`dtype` must be a floating dtype.*int32"):
-        jxs.underflow_report({"w": jnp.ones(2)}, jnp.int32)
+        jxs.diagnostics.underflow_report({"w": jnp.ones(2)}, jnp.int32)
     with pytest.raises(TypeError, match="`dtype` must be a floating dtype"):
-        jxs.underflow_report({"w": jnp.ones(2)}, "half-ish")
+        jxs.diagnostics.underflow_report({"w": jnp.ones(2)}, "half-ish")
     with pytest.raises(TypeError, match=r"`loss_scale` must be a real scalar.*\[2\]"):
-        jxs.underflow_report({"w": jnp.ones(2)}, jnp.float16, jnp.ones(2))
+        jxs.diagnostics.underflow_report({"w": jnp.ones(2)}, jnp.float16, jnp.ones(2))
     with pytest.raises(TypeError, match="`loss_scale` must be a number or a state"):
-        jxs.underflow_report({"w": jnp.ones(2)}, jnp.float16, True)
+        jxs.diagnostics.underflow_report({"w": jnp.ones(2)}, jnp.float16, True)
     with pytest.raises(ValueError, match="contains no jxs.LossScale"):
-        jxs.underflow_report({"w": jnp.ones(2)}, jnp.float16, {"lr": 0.1})
+        jxs.diagnostics.underflow_report({"w": jnp.ones(2)}, jnp.float16, {"lr": 0.1})
 
 
 # --------------------------------------------------------------------------- #
@@ -537,7 +537,7 @@ def test_layer_norms_match_float64_norms_inside_jit():
     }
     tree = jax.tree.map(jnp.asarray, tree)
     with jax.transfer_guard("disallow"):
-        norms = jax.jit(jxs.layer_norms)(tree)
+        norms = jax.jit(jxs.diagnostics.layer_norms)(tree)
     assert list(norms) == ["enc/bias", "enc/kernel", "head"]
     for key, path in [
         ("enc/bias", ("enc", "bias")),
@@ -550,7 +550,7 @@ def test_layer_norms_match_float64_norms_inside_jit():
         ref = np.linalg.norm(np.asarray(leaf, np.float64).reshape(-1))
         assert norms[key].dtype == jnp.float32 and norms[key].shape == ()
         assert float(norms[key]) == pytest.approx(ref, rel=2e-6)
-    grouped = jxs.layer_norms(tree, depth=1)
+    grouped = jxs.diagnostics.layer_norms(tree, depth=1)
     assert list(grouped) == ["enc", "head"]
     enc = math.hypot(float(norms["enc/bias"]), float(norms["enc/kernel"]))
     assert float(grouped["enc"]) == pytest.approx(enc, rel=2e-6)
@@ -565,24 +565,24 @@ def test_layer_norms_do_not_overflow_and_propagate_nonfinite():
         "nan": jnp.array([1.0, jnp.nan]),
         "empty": jnp.zeros((0,)),
     }
-    norms = jax.device_get(jxs.layer_norms(tree))
+    norms = jax.device_get(jxs.diagnostics.layer_norms(tree))
     assert norms["f16"] == 600.0
     assert norms["big"] == pytest.approx(2e20, rel=1e-6)
     assert norms["zero"] == 0.0 and norms["empty"] == 0.0
     assert norms["inf"] == np.inf and np.isnan(norms["nan"])
-    assert list(jxs.layer_norms(jnp.ones(4))) == ["<root>"]
+    assert list(jxs.diagnostics.layer_norms(jnp.ones(4))) == ["<root>"]
 
 
 def test_layer_norms_errors():
     with pytest.raises(TypeError, match="`depth` must be an int or None"):
-        jxs.layer_norms({}, depth=1.0)
+        jxs.diagnostics.layer_norms({}, depth=1.0)
     with pytest.raises(ValueError, match="`depth` must be >= 1, got 0"):
-        jxs.layer_norms({}, depth=0)
+        jxs.diagnostics.layer_norms({}, depth=0)
 
 
 def test_floor_warning_as_error_stops_the_run_with_its_message():
     ls = jxs.DynamicLossScale.create(init_scale=2.0, min_scale=1.0)
-    tx = jxs.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=2)
+    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=2)
     params = make_params()
     step = jax.jit(tx.update)
     state, done = tx.init(params), 0
@@ -591,7 +591,7 @@ def test_floor_warning_as_error_stops_the_run_with_its_message():
     # (a ValueError from jit's fast path on some jax versions), its message ending
     # with the warning's text, and the run stops at the step that fired.
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", category=jxs.ScaleAtFloorWarning)
+        warnings.filterwarnings("error", category=jxs.diagnostics.ScaleAtFloorWarning)
         with pytest.raises(
             (jax.errors.JaxRuntimeError, ValueError),
             match=r"ScaleAtFloorWarning: jaxscale: the loss scale has sat at its "

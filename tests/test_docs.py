@@ -16,11 +16,34 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
 
-_AUTODOC = re.compile(r"^\.\. auto(?:class|function|data)::\s+(\S+)", re.MULTILINE)
+_AUTODOC = re.compile(
+    r"^\.\. (currentmodule|autoclass|autofunction|autodata)::\s+(\S+)", re.MULTILINE
+)
 
 
 def _documented_names() -> list[str]:
-    return _AUTODOC.findall((DOCS / "api.rst").read_text())
+    """Every name api.rst documents, qualified by its ``currentmodule``."""
+    module, names = "jaxscale", []
+    for directive, name in _AUTODOC.findall((DOCS / "api.rst").read_text()):
+        if directive == "currentmodule":
+            module = name
+        else:
+            names.append(f"{module}.{name}")
+    return names
+
+
+def _public_names() -> list[str]:
+    """Every public name of ``jaxscale`` and of its ``diagnostics`` sub-namespace."""
+    return [f"jaxscale.{n}" for n in jxs.__all__] + [
+        f"jaxscale.diagnostics.{n}" for n in jxs.diagnostics.__all__
+    ]
+
+
+def _resolve(qualified: str):
+    obj = jxs
+    for part in qualified.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
 
 
 def _fenced_blocks(text: str, lang: str) -> list[str]:
@@ -45,27 +68,28 @@ def _readme_commands() -> dict[str, str]:
     return commands
 
 
-def test_all_is_sorted():
-    assert jxs.__all__ == sorted(jxs.__all__)
-    assert len(set(jxs.__all__)) == len(jxs.__all__)
+@pytest.mark.parametrize("module", [jxs, jxs.diagnostics], ids=lambda m: m.__name__)
+def test_all_is_sorted(module):
+    assert module.__all__ == sorted(module.__all__)
+    assert len(set(module.__all__)) == len(module.__all__)
 
 
 def test_every_public_name_is_in_api_rst():
     documented = _documented_names()
-    missing = sorted(set(jxs.__all__) - set(documented))
+    missing = sorted(set(_public_names()) - set(documented))
     assert not missing, f"docs/api.rst does not document {missing}."
-    unknown = sorted(set(documented) - set(jxs.__all__))
+    unknown = sorted(set(documented) - set(_public_names()))
     assert not unknown, f"docs/api.rst documents non-public names {unknown}."
     duplicated = sorted({n for n in documented if documented.count(n) > 1})
     assert not duplicated, f"docs/api.rst documents {duplicated} twice."
 
 
-@pytest.mark.parametrize("name", jxs.__all__)
+@pytest.mark.parametrize("name", _public_names())
 def test_public_name_has_runnable_example(name):
-    doc = inspect.getdoc(getattr(jxs, name))
-    assert doc, f"jxs.{name} has no docstring."
+    doc = inspect.getdoc(_resolve(name))
+    assert doc, f"{name} has no docstring."
     assert ">>> import jaxscale as jxs" in doc, (
-        f"The docstring of jxs.{name} has no example starting with "
+        f"The docstring of {name} has no example starting with "
         "'>>> import jaxscale as jxs'."
     )
 
@@ -173,3 +197,16 @@ def test_the_test_command_also_runs_the_avx2_pass_and_the_floors():
     assert "set -euo pipefail" in floors and "rm -rf .venv-floors" in floors
     for name in ("jax", "optax", "flax"):
         assert f"floor {name}" in floors
+
+
+@pytest.mark.parametrize("name", jxs.diagnostics.__all__)
+def test_old_top_level_diagnostics_names_warn_and_alias(name):
+    with pytest.warns(DeprecationWarning, match=rf"jxs\.diagnostics\.{name}"):
+        alias = getattr(jxs, name)
+    assert alias is getattr(jxs.diagnostics, name)
+    assert name not in jxs.__all__
+
+
+def test_unknown_top_level_name_raises_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        jxs.not_a_name  # noqa: B018

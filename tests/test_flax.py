@@ -251,7 +251,7 @@ def test_nnx_optimizer_trains_in_float16(step):
     assert int(state.steps[...]) == 30
     # nnx.Optimizer.step counts update calls (attempts), skipped or not.
     assert int(optimizer.step[...]) == 30
-    summary = jxs.summary(optimizer)
+    summary = jxs.diagnostics.summary(optimizer)
     assert int(summary["steps"]) == 30
     assert int(optimizer.step[...]) - int(summary["skipped_steps"]) == int(
         optax.tree.get(nnx.to_pure_dict(nnx.state(optimizer.opt_state)), "count")
@@ -339,8 +339,8 @@ def test_nnx_split_state_with_a_stateless_inner_optimizer():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, jxs.dynamic_scaling(optax.sgd(0.1)), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-    assert int(jxs.summary(state)["steps"]) == 0
-    assert float(jxs.summary(state)["loss_scale"]) == 2.0**16
+    assert int(jxs.diagnostics.summary(state)["steps"]) == 0
+    assert float(jxs.diagnostics.summary(state)["loss_scale"]) == 2.0**16
     assert jxs.validate_state(state) is state
     with pytest.raises(ValueError, match=r"nnx.merge\(graphdef, state\)"):
         jxs.loss_scale_of(state)

@@ -110,7 +110,7 @@ def test_skipped_step_leaves_half_params_and_state_bit_identical():
     assert not bool(new_state.last_step_finite)
     assert_bit_identical(new_params, params)
     assert_bit_identical(new_state.inner_state, state.inner_state)
-    assert jxs.nonfinite_paths(new_state) == ["w"]
+    assert jxs.diagnostics.nonfinite_paths(new_state) == ["w"]
 
 
 def test_updates_take_the_gradient_dtype_without_params():

@@ -569,7 +569,7 @@ def test_axis_name_flags_every_replica():
         axis_name="i",
     )
     state = update(grads, tx.init(params), params)
-    assert jxs.nonfinite_paths(state) == ["a"]
+    assert jxs.diagnostics.nonfinite_paths(state) == ["a"]
 
 
 def test_pmean_in_own_dtype_overflow_is_a_skip():
@@ -591,7 +591,7 @@ def test_pmean_in_own_dtype_overflow_is_a_skip():
 
 def test_on_overflow_reports_the_leaves_bad_on_any_replica():
     events = []
-    tx = jxs.monitor(
+    tx = jxs.diagnostics.monitor(
         jxs.dynamic_scaling(optax.sgd(0.1), axis_name="i"), on_overflow=events.append
     )
     params = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
@@ -628,7 +628,7 @@ def test_shard_map_check_vma_stateful_inner_with_varying_grads(wrap):
     np.testing.assert_allclose(new_params, -0.1 * mine, rtol=1e-6)
     one = jax.tree.map(lambda x: x[0], new_state)
     skipped_params, skipped = per_replica(new_params[0], one, replica_grads())
-    summary = jxs.summary(skipped)
+    summary = jxs.diagnostics.summary(skipped)
     assert bool(jnp.all(summary["skipped_steps"] == 1)), "every replica skips"
     assert_bit_identical(skipped_params, jnp.broadcast_to(new_params[0], (N, 3)))
 

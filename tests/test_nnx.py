@@ -184,7 +184,7 @@ def test_keep_on_skip_restores_batch_stats_after_an_overflowing_forward():
     step(model, optimizer, x)
     good_mean = np.asarray(model.bn.mean[...])
     step(model, optimizer, x.at[0, 0].set(1e6))  # inf in float16: skipped
-    assert jxs.summary(optimizer)["skipped_steps"] == 1
+    assert jxs.diagnostics.summary(optimizer)["skipped_steps"] == 1
     np.testing.assert_array_equal(model.bn.mean[...], good_mean)
     assert bool(jxs.all_finite(nnx.state(model, nnx.BatchStat)))
     step(model, optimizer, x)  # applied again: the statistics move on
@@ -449,7 +449,7 @@ def test_short_form_trains_a_batchnorm_dropout_model_like_nnx_value_and_grad():
         sl = slice((i % 4) * 64, (i % 4 + 1) * 64)
         ours(model, opt, x[sl], labels[sl])
         ref(ref_model, ref_opt, x[sl], labels[sl])
-    assert int(jxs.summary(opt)["skipped_steps"]) == 0
+    assert int(jxs.diagnostics.summary(opt)["skipped_steps"]) == 0
 
     def evaluate(model):
         model.eval()
@@ -494,7 +494,7 @@ def test_keep_on_skip_under_accumulate_keeps_micro_batch_statistics_unless_nan()
     # 2: accumulating, overflowing forward: NaN statistics are not kept.
     np.testing.assert_array_equal(means[2], means[1])
     # 3: the window's update is skipped: this call's statistics are dropped.
-    assert int(jxs.summary(optimizer)["skipped_steps"]) == 1
+    assert int(jxs.diagnostics.summary(optimizer)["skipped_steps"]) == 1
     np.testing.assert_array_equal(means[3], means[2])
     # 4: the next window accumulates again.
     assert not np.array_equal(means[4], means[3])
@@ -566,13 +566,13 @@ def split_state(growth_interval=10):
 def test_summary_reads_an_nnx_state():
     """0.1.0: ``contains no jaxscale state ... got State``."""
     _, optimizer, _, state = split_state()
-    ours = jxs.summary(state)
-    assert set(ours) == set(jxs.summary(optimizer))
-    for k, v in jxs.summary(optimizer).items():
+    ours = jxs.diagnostics.summary(state)
+    assert set(ours) == set(jxs.diagnostics.summary(optimizer))
+    for k, v in jxs.diagnostics.summary(optimizer).items():
         assert ours[k].dtype == v.dtype and ours[k] == v, k
     assert int(ours["steps"]) == 1
     with pytest.raises(ValueError, match=r"got 0 in this nnx.State.*nnx.split"):
-        jxs.summary(nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))[1])
+        jxs.diagnostics.summary(nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))[1])
 
 
 def test_loss_scale_of_an_nnx_state_says_merge_first():
@@ -656,7 +656,7 @@ def test_the_guide_nnx_snippets_run():
     exec(guide_block("with jxf.keep_on_skip(model, optimizer)"), scope)  # noqa: S102
     good = np.asarray(model.bn.mean[...])
     scope["train_step"](model, optimizer, x.at[0, 0].set(1e6), y)  # f16 inf
-    assert int(jxs.summary(optimizer)["skipped_steps"]) == 1
+    assert int(jxs.diagnostics.summary(optimizer)["skipped_steps"]) == 1
     np.testing.assert_array_equal(model.bn.mean[...], good)
 
     exec(guide_block("accumulate_value_and_grad(loss_fn, optimizer"), scope)  # noqa: S102

@@ -297,7 +297,7 @@ def test_policy_with_loss_scaling_gives_param_dtype_gradients():
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
     new, new_state, loss, grads = step(params, opt_state)
-    assert bool(jxs.summary(new_state)["last_step_finite"])
+    assert bool(jxs.diagnostics.summary(new_state)["last_step_finite"])
     assert loss.dtype == F32
     assert {k: v.dtype for k, v in grads.items()} == {
         "w1": F32,

@@ -343,10 +343,10 @@ def test_nonfinite_at_drives_dynamic_scaling_in_scan():
     )
     finite = [t not in at for t in range(n)]
     jxt.assert_trajectory_matches(states, jxt.simulate(ls, finite))
-    assert int(jxs.summary(final)["skipped_steps"]) == 3
+    assert int(jxs.diagnostics.summary(final)["skipped_steps"]) == 3
     # The flags of a skipped step name the injected leaf.
     step_two = jax.tree.map(lambda x: x[2], states)
-    assert jxs.nonfinite_paths(step_two) == ["dense/bias"]
+    assert jxs.diagnostics.nonfinite_paths(step_two) == ["dense/bias"]
 
 
 # --------------------------------------------------------------------------- #

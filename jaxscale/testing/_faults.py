@@ -88,7 +88,7 @@ def inject_nonfinite(
       paths: which floating leaves: ``None`` for all; a substring of the path
         name (``"dense/kernel"``, ``"layers/0"``); a sequence of substrings
         (any matches); or a predicate ``f(name) -> bool``. Names are key paths
-        joined by ``/``, as :func:`jaxscale.nonfinite_paths` reports them.
+        joined by ``/``, as :func:`jaxscale.diagnostics.nonfinite_paths` reports them.
       value: the value to inject; ``jnp.inf`` (default), ``-jnp.inf``,
         ``jnp.nan`` or any real number.
 
@@ -201,7 +201,7 @@ def nonfinite_at(
       >>> step = jax.jit(tx.update)
       >>> for _ in range(3):
       ...     _, state = step({"w": jnp.ones(2)}, state, params)
-      >>> int(jxs.summary(state)["skipped_steps"])
+      >>> int(jxs.diagnostics.summary(state)["skipped_steps"])
       1
     """
     at = _at_steps(at_steps)
