@@ -52,6 +52,20 @@ napoleon_use_rtype = False
 napoleon_attr_annotations = False
 
 # -- HTML ---------------------------------------------------------------------
-html_theme = "alabaster"
+# sphinx-book-theme, as optax and flax use. The build needs no network: no
+# repository buttons, no launch buttons, no version switcher, nothing fetched.
+html_theme = "sphinx_book_theme"
 html_title = f"jaxscale {release}"
 html_static_path: list[str] = []
+html_theme_options = {
+    "home_page_in_toc": True,  # the front page is the first entry of the sidebar
+    "show_navbar_depth": 1,  # the captioned sections, each page one level down
+    "show_toc_level": 2,  # the right-hand "Contents": sections and subsections
+    "use_download_button": True,  # the page's source (.md) or a PDF print
+    "use_fullscreen_button": True,
+    "use_repository_button": False,
+    "use_issues_button": False,
+    "use_edit_page_button": False,
+    "use_source_button": False,
+    "navigation_with_keys": False,
+}

@@ -3,13 +3,14 @@
 The workflow of docs/diagnostics.md on a small float16 MLP regression:
 
 1. **Choose the scale.** Gradients of a float32 reference run go through
-   ``jxs.diagnostics.underflow_report``: how much of them float16 flushes to zero without a
-   scale, and which power-of-two ``init_scale`` range keeps them representable.
+   ``jxs.diagnostics.underflow_report``: how much of them float16 flushes to zero
+   without a scale, and which power-of-two ``init_scale`` range keeps them
+   representable.
 2. **Watch the run.** The float16 model trains with ``jxs.dynamic_scaling``
-   (which keeps per-leaf overflow flags) wrapped in ``jxs.diagnostics.monitor`` with an
-   ``on_overflow`` hook; every step
-   returns ``jxs.diagnostics.summary`` counters and ``jxs.diagnostics.layer_norms`` of the unscaled
-   gradients as device arrays, fetched once at the end (no per-step sync).
+   (which keeps per-leaf overflow flags) wrapped in ``jxs.diagnostics.monitor``
+   with an ``on_overflow`` hook; every step returns ``jxs.diagnostics.summary``
+   counters and ``jxs.diagnostics.layer_norms`` of the unscaled gradients as
+   device arrays, fetched once at the end (no per-step sync).
 3. **Find the layer.** ``jaxscale.testing.nonfinite_at`` makes one layer's
    gradients overflow at the steps given by ``--inject-at``; the hook names it.
 4. **Compare to float32.** The same model trains in float32 alongside; the plot

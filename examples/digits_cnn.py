@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{label:<8} {f'2**{np.log2(s):g}':>10} {100 * m['flushed']:>7.2f}% "
                 f"{100 * m['subnormal']:>8.2f}% {m['rel_error']:>8.1e}   {per_layer}"
             )
-        # jxs.diagnostics.underflow_report asks the same of the float32 parameter gradients
+        # jxs.diagnostics.underflow_report asks the same of the float32 parameter
+        # gradients
         # (cast to float16), without running a float16 backward pass.
         r = jxs.diagnostics.underflow_report(m["ref"], jnp.float16, scale)
         print(

@@ -21,8 +21,8 @@ parameters and see the same batches:
 
 It runs the four for each seed (3 by default), prints the final validation
 loss of every run with the mean and spread over the seeds, and measures with
-``jxs.diagnostics.cotangent_report`` where in the network float16 loses the gradient: per
-layer, the fraction of the activation gradients (the cotangents of the
+``jxs.diagnostics.cotangent_report`` where in the network float16 loses the gradient:
+per layer, the fraction of the activation gradients (the cotangents of the
 backward pass) that float16 flushes to zero or leaves subnormal, without a
 scale and at the scale ``dynamic_scaling`` settled on. ``--json PATH`` writes
 every metric; a plot goes to ``--out``.
@@ -139,7 +139,9 @@ def dense(x: jax.Array, p: dict) -> jax.Array:
 
 def gpt(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
     """Logits of the next character. Float32 as written; probes mark the sites."""
-    probe = jxs.diagnostics.cotangent_probe  # the identity outside jxs.diagnostics.cotangent_report
+    probe = (
+        jxs.diagnostics.cotangent_probe
+    )  # the identity outside jxs.diagnostics.cotangent_report
     b, t = tokens.shape
     x = params["embed"][tokens] + params["pos"][:t]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
@@ -264,7 +266,9 @@ def underflow(params: dict, data, cfg: argparse.Namespace, scale: float) -> dict
         ("unscaled", "fp16", 1.0),
         ("scaled", "fp16", scale),
     ):
-        report = jax.jit(jxs.diagnostics.cotangent_report(objective(name, cfg.heads), s))
+        report = jax.jit(
+            jxs.diagnostics.cotangent_report(objective(name, cfg.heads), s)
+        )
         stats = report(params, x, y)
         print(f"\nactivation gradients: {name} backward, loss scale {s:g}")
         print(jxs.diagnostics.cotangent_table(stats))

@@ -5,6 +5,8 @@ optax transformation that unscales gradients, skips non-finite steps and adjusts
 the scale, all inside XLA.
 """
 
+import importlib.metadata
+
 from jaxscale import diagnostics as diagnostics
 from jaxscale._accumulate import AccumulateState as AccumulateState
 from jaxscale._accumulate import accumulate as accumulate
@@ -22,23 +24,26 @@ from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
 from jaxscale._composition import CompositionWarning as CompositionWarning
+from jaxscale._grad import loss_scale_of as loss_scale_of
+from jaxscale._grad import value_and_grad as value_and_grad
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
 from jaxscale._loss_scale import LossScale as LossScale
 from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
 from jaxscale._loss_scale import StaticLossScale as StaticLossScale
 from jaxscale._policy import Policy as Policy
 from jaxscale._policy import cast_floating as cast_floating
+from jaxscale._state import DynamicScalingState as DynamicScalingState
 from jaxscale._torch_interop import from_torch_state_dict as from_torch_state_dict
 from jaxscale._torch_interop import to_torch_state_dict as to_torch_state_dict
-from jaxscale._transform import DynamicScalingState as DynamicScalingState
 from jaxscale._transform import dynamic_scaling as dynamic_scaling
-from jaxscale._transform import loss_scale_of as loss_scale_of
-from jaxscale._transform import value_and_grad as value_and_grad
 from jaxscale._tree import all_finite as all_finite
 from jaxscale._tree import select_tree as select_tree
 from jaxscale._validate import validate_state as validate_state
 
-__version__ = "0.2.0"
+try:
+    __version__ = importlib.metadata.version("jaxscale")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    __version__ = "0+unknown"
 
 __all__ = [
     "AccumulateState",

@@ -16,6 +16,7 @@ one run of the inner optimizer:
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -27,9 +28,10 @@ from jax import lax
 from optax import OptState, Params, Updates
 
 from jaxscale import _nnx
-from jaxscale._distributed import match_varying
+from jaxscale._args import check_int
+from jaxscale._grad import loss_scale_of, value_and_grad
+from jaxscale._skip import update_or_skip
 from jaxscale._structure import check_updates_match_params
-from jaxscale._transform import _negative_zeros, loss_scale_of, value_and_grad
 from jaxscale._tree import compute_dtype, is_float_leaf
 
 __all__ = ["AccumulateState", "accumulate", "accumulate_value_and_grad"]
@@ -47,14 +49,6 @@ def _add(acc: jax.Array, g: Any) -> jax.Array:
     if not is_float_leaf(g):
         return acc
     return acc + jnp.asarray(g).astype(acc.dtype)
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
-    return int(value)
 
 
 class AccumulateState(NamedTuple):
@@ -147,7 +141,7 @@ def accumulate(
             "`inner` must be an optax.GradientTransformation (e.g. "
             f"jxs.dynamic_scaling(optax.adam(1e-3))), got {type(inner).__name__}."
         )
-    every_k = _check_int("every_k", every_k)
+    every_k = check_int("every_k", every_k)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Params) -> AccumulateState:
@@ -184,14 +178,8 @@ def accumulate(
             mean = jax.tree.map(mean_leaf, total, grads)
             return inner.update(mean, inner_state, params, **extra_args)
 
-        def wait(operand):
-            out_updates, out_inner = jax.eval_shape(apply, operand)
-            # Typed as ``apply`` types it (varying over ``shard_map`` axes).
-            kept = jax.tree.map(match_varying, operand[2], out_inner)
-            return _negative_zeros(out_updates), kept
-
-        new_updates, new_inner = lax.cond(
-            emit, apply, wait, (total, updates, state.inner_state)
+        new_updates, new_inner = update_or_skip(
+            emit, apply, (total, updates, state.inner_state), lambda op: op[2]
         )
         new_sum = jax.tree.map(lambda t: lax.select(emit, jnp.zeros_like(t), t), total)
         new_state = AccumulateState(
@@ -290,7 +278,7 @@ def accumulate_value_and_grad(
     """
     ls = loss_scale_of(loss_scale)
     if num_microbatches is not None:
-        num_microbatches = _check_int("num_microbatches", num_microbatches)
+        num_microbatches = check_int("num_microbatches", num_microbatches)
     diff = _as_tuple("argnums", argnums)
     batch = None if batch_argnums is None else _as_tuple("batch_argnums", batch_argnums)
     if batch is not None and set(batch) & set(diff):
@@ -373,7 +361,8 @@ def accumulate_value_and_grad(
 
             return plain, None, lambda grads, carry: grads
         split = _nnx.NnxArgs(args, kwargs, argnums, _nnx.default_wrt(loss_scale))
-        call, rest, finish = split.grad_call(fun, ls, has_aux)
+        scaled_grad = functools.partial(value_and_grad, loss_scale=ls)
+        call, rest, finish = split.grad_call(scaled_grad, fun, has_aux)
         return lambda full, carry: call(full, kwargs, carry), rest, finish
 
     return wrapped

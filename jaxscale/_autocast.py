@@ -10,7 +10,6 @@ program holds only the casts, as if they were written by hand.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,18 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import (
-    REGION_PREFIX,
-    Interpreter,
-    cast,
-    dtype_of,
-    input_info,
-    is_castable,
-)
+from jaxscale._autocast_interp import REGION_PREFIX, Interpreter
 from jaxscale._autocast_rules import resolve_rules
+from jaxscale._autocast_values import cast, dtype_of, input_info, is_castable
+from jaxscale._jax_private import convert_weak
+from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
 
-__all__ = ["autocast"]
+__all__ = ["autocast", "check_dtype", "interpret"]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
 _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
@@ -39,7 +34,7 @@ _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "fl
 _SUPPORTED = "float16 ('float16', 'fp16', 'f16', 'half'), bfloat16 ('bf16')"
 
 
-def _check_dtype(dtype: Any) -> np.dtype:
+def check_dtype(dtype: Any) -> np.dtype:
     """The autocast dtype: float16 or bfloat16, or float32 (autocast off)."""
     try:
         dt = parse_float_dtype(dtype, "dtype")
@@ -65,14 +60,6 @@ def _check_dtype(dtype: Any) -> np.dtype:
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
-
-
-def _is_nnx_object(x: Any) -> bool:
-    """An NNX module, ``nnx.Rngs``... (never imports flax: such an object exists
-    only if the user has imported it)."""
-    nnx = sys.modules.get("flax.nnx")
-    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
-    return base is not None and isinstance(x, base)
 
 
 def autocast(
@@ -221,7 +208,7 @@ def autocast(
       >>> [s.dtype for s in scores(x, x)]
       [dtype('float32'), dtype('float16')]
     """
-    dt = _check_dtype(dtype)
+    dt = check_dtype(dtype)
     table = resolve_rules(rules)
     for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
         if not isinstance(flag, bool | np.bool_):
@@ -251,22 +238,25 @@ def autocast(
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
         it = Interpreter(dt, table, HANDLERS)
-        return _run(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
+        return interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
 
     return wrapper
 
 
-def _run(
+def interpret(
     fun: Callable[..., Any],
     it: Interpreter,
     args: tuple,
     kwargs: dict,
     cast_outputs: bool = True,
 ) -> Any:
+    """``fun(*args, **kwargs)`` traced once and evaluated by ``it`` (an
+    :class:`~jaxscale._autocast_interp.Interpreter`, or an observing subclass for
+    the report); NNX modules among the arguments get their new state back."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-    modules = [("a", i) for i, a in enumerate(args) if _is_nnx_object(a)]
-    modules += [("k", k) for k, v in kwargs.items() if _is_nnx_object(v)]
+    modules = [("a", i) for i, a in enumerate(args) if is_object(a)]
+    modules += [("k", k) for k, v in kwargs.items() if is_object(v)]
     shapes: dict[str, Any] = {}
 
     def flat(*dyn: Any) -> list[Any]:
@@ -315,10 +305,13 @@ def _as_traced(x: Any, aval: Any) -> Any:
         x = cast(x, np.dtype(aval.dtype))
     weak = getattr(aval, "weak_type", False)
     if weak and dtype_of(x) == aval.dtype and not jax.typeof(x).weak_type:
-        from jax._src.lax import lax as lax_internal
-
-        x = lax_internal._convert_element_type(x, aval.dtype, weak_type=True)
+        x = convert_weak(x, aval.dtype)
     return x
+
+
+# ``flax.nnx`` is imported only below, for NNX modules passed as arguments (so
+# the user has imported it): ``nnx.state`` and ``nnx.update`` have no home in
+# ``jaxscale._nnx``, which splits and merges modules for differentiation.
 
 
 def _nnx_state(module: Any) -> Any:

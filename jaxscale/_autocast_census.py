@@ -1,6 +1,6 @@
 """The observing interpreters of :func:`jaxscale.autocast_report`.
 
-:class:`_Census` runs the function under autocast (under ``jax.eval_shape``) and
+:class:`Census` runs the function under autocast (under ``jax.eval_shape``) and
 records each equation of the function once (a subclass of
 :class:`~jaxscale._autocast_interp.Interpreter` whose ``observer`` receives a
 :class:`~jaxscale._autocast_interp.Record` per first-order equation): its source,
@@ -10,7 +10,7 @@ inside, to give every equation of the user's function one key however often a
 loop body or a custom-derivative function is traced, and of which float32 values
 descend from a low-precision activation (the float32 islands).
 
-:class:`_Compare` runs it eagerly under autocast after a float32 run of the same
+:class:`Compare` runs it eagerly under autocast after a float32 run of the same
 jaxpr (:class:`_Reference`, every value kept) and measures each operation's
 deviation from float32, in total and for the operation alone.
 """
@@ -27,18 +27,13 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import (
-    REGION_PREFIX,
-    Info,
-    Interpreter,
-    Record,
-    bind,
-    cast,
-    dtype_of,
-    is_castable,
-)
-from jaxscale._autocast_report_text import _typed
+from jaxscale._autocast_interp import REGION_PREFIX, Interpreter, Record
+from jaxscale._autocast_report_text import typed
 from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
+from jaxscale._autocast_values import Info, cast, dtype_of, floating, is_castable
+from jaxscale._jax_private import bind, name_stack_text, user_frame
+
+__all__ = ["INLINE_HANDLERS", "Census", "Compare", "source_of"]
 
 _F32 = np.dtype("float32")
 
@@ -46,15 +41,6 @@ _F32 = np.dtype("float32")
 # --------------------------------------------------------------------------- #
 # Where an equation comes from
 # --------------------------------------------------------------------------- #
-
-
-def _user_frame(eqn: Any) -> Any:
-    from jax._src import source_info_util as siu
-
-    try:
-        return siu.user_frame(eqn.source_info.traceback)
-    except (AttributeError, TypeError):  # older jax: takes the SourceInfo
-        return siu.user_frame(eqn.source_info)
 
 
 def _short(path: str) -> str:
@@ -69,12 +55,12 @@ def _short(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _source(eqns: Sequence[Any]) -> tuple[str, str]:
+def source_of(eqns: Sequence[Any]) -> tuple[str, str]:
     """``(source, location)`` of the last of ``eqns`` (the equations around it
     first): the name stacks joined, and the innermost user frame."""
     location = ""
     for e in reversed(eqns):
-        frame = _user_frame(e)
+        frame = user_frame(e)
         if frame is not None:
             location = f"{_short(frame.file_name)}:{frame.start_line}"
             break
@@ -84,26 +70,18 @@ def _source(eqns: Sequence[Any]) -> tuple[str, str]:
 def _names(eqns: Sequence[Any]) -> str:
     """The name stacks of ``eqns`` joined, without autocast's own regions, as
     JAX prints them (``jvp(CNN)/Conv_0`` in a gradient); ``""`` if no scope."""
-    from jax._src import source_info_util as siu
-
     stack = []
     for e in eqns:
         stack += getattr(e.source_info.name_stack, "stack", ())
     kept = tuple(
         s for s in stack if not str(getattr(s, "name", "")).startswith(REGION_PREFIX)
     )
-    if not any(isinstance(s, siu.Scope) for s in kept):
-        return ""
-    return str(siu.NameStack(stack=kept))
+    return name_stack_text(kept)
 
 
 # --------------------------------------------------------------------------- #
 # The observing interpreters
 # --------------------------------------------------------------------------- #
-
-
-def _floating(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 class _Frame:
@@ -187,7 +165,7 @@ def _key(path: Sequence[Any], eqn: Any) -> tuple[int, ...]:
 
 
 def _ran_in(name: str, operands: Sequence[Any], outs: Sequence[Any]) -> str:
-    floats = [dtype_of(v) for v in operands if _floating(dtype_of(v))]
+    floats = [dtype_of(v) for v in operands if floating(dtype_of(v))]
     if floats and name != "convert_element_type":
         return max(floats, key=lambda d: np.dtype(d).itemsize).name
     return np.dtype(dtype_of(outs[0])).name if outs else "none"
@@ -222,7 +200,7 @@ def _aligned(frame: _Frame, jaxpr: Any) -> list[bool]:
     return [False] * n
 
 
-class _Census(_Walker):
+class Census(_Walker):
     """Records each equation once, with its source and island flag."""
 
     def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any):
@@ -298,7 +276,7 @@ class _Census(_Walker):
     ) -> None:
         eqn, name = rec.eqn, rec.eqn.primitive.name
         from_low = any(
-            _floating(dtype_of(v)) and np.dtype(dtype_of(v)) == self.dtype for v in vals
+            floating(dtype_of(v)) and np.dtype(dtype_of(v)) == self.dtype for v in vals
         )
         from_island = any(self.flags(eqn.invars))
         eligible = rec.rule not in (AutocastRule.FLOAT32, AutocastRule.TRACED)
@@ -310,7 +288,7 @@ class _Census(_Walker):
         island = ""
         if carried and rec.outs and self._wide(rec.outs[0]):
             if from_low:
-                wide = [_typed(dtype_of(v), np.shape(v)) for v in vals if self._wide(v)]
+                wide = [typed(dtype_of(v), np.shape(v)) for v in vals if self._wide(v)]
                 by = f" by {', '.join(wide)}" if wide else ""
                 island = f"{self.dtype.name} widened{by} ({rec.rule.value})"
             else:
@@ -354,7 +332,7 @@ class _Reference(_Walker):
         self._keep(self.path(eqn), eqn.outvars, outs)
 
 
-class _Compare(_Walker):
+class Compare(_Walker):
     """The autocast run, compared with a float32 run of the same jaxpr made just
     before it (the first ``eval_closed`` is the function's own jaxpr)."""
 
@@ -389,12 +367,12 @@ class _Compare(_Walker):
         pairs = [
             (o, r)
             for o, r in zip(rec.outs, ref, strict=True)
-            if r is not None and _floating(dtype_of(o))
+            if r is not None and floating(dtype_of(o))
         ]
         if not pairs:
             return
         abs_error, rel_error, nonfinite = _errors(pairs, self._big)
-        source, location = _source((*path, rec.eqn))
+        source, location = source_of((*path, rec.eqn))
         out = rec.outs[0]
         self.sites[key] = dict(
             primitive=rec.eqn.primitive.name,
@@ -418,7 +396,7 @@ class _Compare(_Walker):
         runs it (its casts, its dtype, its output's rounding) and once at the
         dtypes it was traced with, and the two are compared. A constant is taken
         as autocast gives it (saturation is not an error)."""
-        eqn = rec.eqn
+        eqn, traced = rec.eqn, list(rec.traced)
         low, exact = [], []
         for atom, v, used, info, t in zip(
             eqn.invars, vals, rec.operands, infos, rec.traced, strict=True
@@ -426,7 +404,7 @@ class _Compare(_Walker):
             r = None
             if not isinstance(atom, jcore.Literal) and info.const is None:
                 r = self.reference.value(ids, atom)
-            if r is None or not _floating(dtype_of(v)):
+            if r is None or not floating(dtype_of(v)):
                 low.append(used)
                 exact.append(_cast_float(v, t))
             else:
@@ -434,22 +412,22 @@ class _Compare(_Walker):
                 low.append(cast(r, np.dtype(dtype_of(used))))
                 exact.append(_cast_float(r, t))
         try:
-            params = self.adjust_params(rec.rule, eqn, low, list(rec.traced))
-            outs = bind(eqn.primitive, params, low)
+            cls = self.classes[rec.rule]
+            outs = cls.emit(self, eqn, cls.adjust_params(self, eqn, low, traced), low)
             refs = bind(eqn.primitive, eqn.params, exact)
         except Exception:  # a diagnostic: no local figure rather than no report
             return None
         pairs = [
             (_cast_float(o, dtype_of(a)), r)
             for o, r, a in zip(outs, refs, rec.outs, strict=True)
-            if _floating(dtype_of(a))
+            if floating(dtype_of(a))
         ]
         _, rel, nonfinite = _errors(pairs, self._big)
         return float("inf") if nonfinite else rel
 
 
 def _cast_float(x: Any, dtype: Any) -> Any:
-    if _floating(dtype_of(x)) and _floating(dtype):
+    if floating(dtype_of(x)) and floating(dtype):
         return cast(x, np.dtype(dtype))
     return x
 
@@ -485,12 +463,9 @@ def _inline(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> An
     return HANDLERS[eqn.primitive.name](it, eqn, vals, infos)
 
 
-_INLINE = {
-    **HANDLERS,
-    **{
-        name: _inline
-        for name in ("checkpoint", "closed_call", "core_call", "custom_jvp_call")
-        + ("custom_vjp_call", "jit", "pjit", "remat2")
-        if name in HANDLERS
-    },
+# The handlers of the comparison: the call-like constructs evaluated in place.
+_CALLS = frozenset({"call", "custom_jvp", "custom_vjp", "jit", "remat"})
+INLINE_HANDLERS = {
+    name: _inline if construct in _CALLS else HANDLERS[name]
+    for name, construct in HIGHER_ORDER.items()
 }

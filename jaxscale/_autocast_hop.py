@@ -17,6 +17,8 @@ interpreter and binds it again, keeping its semantics:
   kept, and the backward runs in the dtypes its forward used.
 - ``shard_map`` goes through ``jax.shard_map`` with the same mesh and specs.
 
+``HANDLERS`` is derived from :data:`jaxscale._autocast_rules.HIGHER_ORDER`, the
+one list of higher-order primitive names, through the construct each name is.
 A handler returns ``None`` when the equation's parameters are not the ones it
 knows (another jax version); the interpreter then runs the primitive as traced,
 with an :class:`~jaxscale.AutocastWarning`.
@@ -24,7 +26,8 @@ with an :class:`~jaxscale.AutocastWarning`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -32,19 +35,26 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast_interp import (
+from jaxscale._autocast_interp import Interpreter
+from jaxscale._autocast_rules import HIGHER_ORDER
+from jaxscale._autocast_values import (
     Info,
-    Interpreter,
     cast,
     dtype_of,
     fresh_info,
     is_castable,
     size_of,
-    trace,
     widest,
 )
+from jaxscale._jax_private import (
+    ct_aval,
+    custom_jvp_rule,
+    instantiate_zeros,
+    shard_map,
+    trace,
+)
 
-__all__ = ["HANDLERS"]
+__all__ = ["BY_CONSTRUCT", "HANDLERS"]
 
 Result = tuple[list[Any], list[Info]] | None
 
@@ -215,7 +225,7 @@ def _custom_jvp(
     it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
 ) -> Result:
     p = eqn.params
-    jvp_fun = p.get("jvp_jaxpr_fun", p.get("jvp_jaxpr_thunk"))
+    jvp_fun = custom_jvp_rule(p)
     if jvp_fun is None or not _has(p, "call_jaxpr", "num_consts"):
         return None
     call, nc = p["call_jaxpr"], p["num_consts"]
@@ -247,18 +257,6 @@ def _like_tangent(t: Any, primal: Any) -> Any:
     if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
         return cast(t, dtype_of(primal))
     return t
-
-
-def _instantiate(ct: Any) -> Any:
-    from jax._src import ad_util
-    from jax._src.interpreters import ad
-
-    return ad.instantiate_zeros(ct) if isinstance(ct, ad_util.Zero) else ct
-
-
-def _ct_aval(aval: Any) -> Any:
-    to_ct = getattr(aval, "to_ct_aval", None) or aval.to_tangent_aval
-    return to_ct()
 
 
 def _custom_vjp(
@@ -294,10 +292,10 @@ def _custom_vjp(
         return prim, res
 
     def bwd_rule(res: list[Any], cts: list[Any]) -> tuple[Any, ...]:
-        ct_avals = [_ct_aval(a) for a in call.out_avals]
+        ct_avals = [ct_aval(a) for a in call.out_avals]
 
         def run_bwd(*args: Any) -> list[Any]:
-            return [_instantiate(c) for c in bwd.call_wrapped(*args)]
+            return [instantiate_zeros(c) for c in bwd.call_wrapped(*args)]
 
         closed = trace(run_bwd, [*box["res_avals"], *ct_avals])
         outs, _ = it.eval_closed(closed, [*res, *cts])
@@ -319,13 +317,13 @@ def _out_avals(jaxpr: Any) -> list[Any]:
 def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
     p = eqn.params
     keys = ("jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes")
-    if not _has(p, *keys) or not hasattr(jax, "shard_map"):
+    if not _has(p, *keys) or shard_map is None:
         return None
 
     def body(*xs: Any) -> tuple[Any, ...]:
         return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
 
-    fn = jax.shard_map(
+    fn = shard_map(
         body,
         mesh=p["mesh"],
         in_specs=tuple(p["in_specs"]),
@@ -337,17 +335,21 @@ def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) ->
     return list(outs), _default_infos(outs)
 
 
-HANDLERS: dict[str, Callable[..., Result]] = {
-    "checkpoint": _remat,
-    "closed_call": _closed_call,
+# The handler of each construct of ``HIGHER_ORDER`` (a test pins that they
+# match); a name missing here fails at import.
+BY_CONSTRUCT: dict[str, Callable[..., Result]] = {
+    "call": _closed_call,
     "cond": _cond,
-    "core_call": _closed_call,
-    "custom_jvp_call": _custom_jvp,
-    "custom_vjp_call": _custom_vjp,
+    "custom_jvp": _custom_jvp,
+    "custom_vjp": _custom_vjp,
     "jit": _jit,
-    "pjit": _jit,
-    "remat2": _remat,
+    "remat": _remat,
     "scan": _scan,
     "shard_map": _shard_map,
     "while": _while,
 }
+
+# Higher-order primitive name -> handler, for every name of ``HIGHER_ORDER``.
+HANDLERS: Mapping[str, Callable[..., Result]] = MappingProxyType(
+    {name: BY_CONSTRUCT[construct] for name, construct in HIGHER_ORDER.items()}
+)

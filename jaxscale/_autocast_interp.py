@@ -16,14 +16,17 @@ statistics and parameters applied to a low-precision activation in its dtype), a
 the constant rule (a constant that would become inf or 0 when narrowed saturates or
 widens its operation).
 
-Higher-order primitives are delegated to handlers (:mod:`jaxscale._autocast_hop`).
+What each rule class does is one object (:class:`RuleClass`: casts, parameters,
+emission, provenance), found through the registry :data:`RULE_CLASSES`; the
+interpreter's loop knows no class by name. Higher-order primitives are delegated
+to handlers (:mod:`jaxscale._autocast_hop`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
@@ -34,44 +37,37 @@ from jax.extend import core as jcore
 from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
 from jaxscale._autocast_values import (
     SELECTIONS,
-    Const,
     Info,
-    bind,
+    bias_kind,
     cast,
-    const_fit,
     const_info,
-    const_values,
+    const_misfit,
     dtype_of,
     floating,
-    fresh_info,
     input_info,
     is_castable,
     provenance,
     saturate,
     size_of,
-    trace,
     widest,
 )
+from jaxscale._jax_private import bind, eqn_context, trace
 
 __all__ = [
     "AutocastWarning",
-    "Const",
-    "Info",
+    "Bias",
+    "Float32",
     "Interpreter",
+    "Keep",
+    "Lookup",
+    "Lower",
+    "Promote",
     "REGION_PREFIX",
+    "RULE_CLASSES",
     "Record",
-    "bind",
-    "cast",
-    "const_fit",
-    "const_info",
-    "dtype_of",
-    "fresh_info",
-    "input_info",
-    "is_castable",
-    "saturate",
-    "size_of",
-    "trace",
-    "widest",
+    "RuleClass",
+    "Traced",
+    "promote",
 ]
 
 _F32 = np.dtype("float32")
@@ -109,6 +105,293 @@ class Record(NamedTuple):
     notes: tuple[str, ...]  # decisions about constants and normalisation
 
 
+# --------------------------------------------------------------------------- #
+# The rule classes: what each AutocastRule member does to an equation
+# --------------------------------------------------------------------------- #
+
+
+class RuleClass:
+    """The behaviour of one :class:`~jaxscale.AutocastRule` member.
+
+    The interpreter runs a first-order equation of the class in four steps, each
+    a method: :meth:`cast_operands` (the operands to bind and the dtype the
+    outputs are rounded to), :meth:`adjust_params` (``preferred_element_type``,
+    a scatter's combiner), :meth:`emit` (bind the primitive; a class may emit
+    several equations instead) and :meth:`out_infos` (the outputs' provenance).
+    :meth:`refine` may hand one equation to another class first.
+
+    Instances hold no state (``__slots__ = ()``); the interpreter ``it`` is
+    passed in for the autocast dtype (``it.dtype``), cached casts
+    (``it.cast(x, dtype)``) and the notes of the report (``it.note(text)``).
+    :data:`RULE_CLASSES` maps each member to its instance: a new class is a new
+    :class:`~jaxscale.AutocastRule` member, a subclass of this, and an entry there.
+    """
+
+    __slots__ = ()
+
+    def refine(self, eqn: Any) -> AutocastRule | None:
+        """The class that runs ``eqn`` instead of this one, or ``None``."""
+        return None
+
+    def cast_operands(
+        self,
+        it: Interpreter,
+        eqn: Any,
+        vals: list[Any],
+        infos: list[Info],
+        traced: list[np.dtype],
+    ) -> tuple[list[Any], np.dtype | None]:
+        """The operands to bind, and the dtype the outputs are rounded to (or
+        ``None``: as they come)."""
+        raise NotImplementedError
+
+    def adjust_params(
+        self, it: Interpreter, eqn: Any, vals: list[Any], traced: list[np.dtype]
+    ) -> Mapping[str, Any]:
+        """The equation's parameters for operands ``vals``: a
+        ``preferred_element_type`` that was the operands' dtype follows them."""
+        return _retype_combiner(
+            _follow_operands(eqn.params, vals, traced), vals, traced
+        )
+
+    def emit(
+        self, it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list[Any]
+    ) -> list[Any]:
+        """The equation's outputs: its primitive bound on ``vals``."""
+        return bind(eqn.primitive, params, vals)
+
+    def out_infos(
+        self, it: Interpreter, eqn: Any, infos: list[Info], outs: list[Any]
+    ) -> list[Info]:
+        """The provenance of the outputs (see :func:`provenance`)."""
+        return provenance(eqn, infos, outs)
+
+
+def _follow_operands(
+    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
+) -> Mapping[str, Any]:
+    pref = params.get("preferred_element_type")
+    if pref is not None:
+        floats = [t for t in traced if floating(t)]
+        if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
+            new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
+            params = dict(params, preferred_element_type=new[0])
+    return params
+
+
+def _retype_combiner(
+    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
+) -> Mapping[str, Any]:
+    """scatter-add & co. carry their combiner typed at the traced dtype."""
+    update = params.get("update_jaxpr")
+    if update is None or dtype_of(vals[0]) == traced[0]:
+        return params
+    aval = jax.core.ShapedArray((), dtype_of(vals[0]))
+    consts = params.get("update_consts", ())
+
+    def combiner(a: Any, b: Any) -> list[Any]:
+        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(update, consts))(a, b)
+
+    new_update = trace(combiner, [aval, aval])
+    return dict(
+        params, update_jaxpr=new_update.jaxpr, update_consts=tuple(new_update.consts)
+    )
+
+
+def promote(
+    it: Interpreter,
+    eqn: Any,
+    vals: list[Any],
+    infos: list[Info],
+    traced: list[np.dtype],
+) -> list[Any]:
+    """Operands that were traced with one floating dtype (so the primitive needs
+    them equal) and now differ go to the widest; scalars decide only if all are
+    scalars (torch's rule for zero-dimensional tensors). A constant that would
+    not survive the narrowing (see :func:`const_fit`) widens the operation
+    instead, or, in a selection, saturates to the narrow dtype's range."""
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
+        if floating(dtype_of(v)) and floating(t):
+            groups.setdefault(np.dtype(t), []).append(i)
+    out = list(vals)
+    for idx in groups.values():
+        if len({dtype_of(vals[i]) for i in idx}) < 2:
+            continue
+        deciding = [i for i in idx if infos[i].src_rank > 0] or idx
+        target = widest([dtype_of(vals[i]) for i in deciding])
+        saturated: dict[int, Any] = {}
+        for i in idx:
+            misfit = const_misfit(vals[i], infos[i], target)
+            if misfit is None:
+                continue
+            why, text = misfit
+            if eqn.primitive.name in SELECTIONS and why == "inf":
+                it.note(f"constant {text}: saturated to the finite range")
+                src = dtype_of(vals[i])
+                saturated[i] = saturate(infos[i].const, src, target)
+            else:
+                it.note(f"constant {text}: runs in float32")
+                target = widest([dtype_of(vals[j]) for j in idx])
+                saturated = {}
+                break
+        for i in idx:
+            out[i] = saturated[i] if i in saturated else it.cast(vals[i], target)
+    return out
+
+
+class Promote(RuleClass):
+    """``"promote"``: operands that must share a dtype go to the widest."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return promote(it, eqn, vals, infos, traced), None
+
+
+class Lower(RuleClass):
+    """``"lower"``: castable operands to the autocast dtype (float32 if a
+    constant would not survive it); the outputs are *lowered* (the bias rule)."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        target = it.dtype
+        for v, i in zip(vals, infos, strict=True):
+            misfit = const_misfit(v, i, target)
+            if misfit is not None:
+                it.note(f"constant {misfit[1]}: runs in float32")
+                target = _F32
+                break
+        vals = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
+        return promote(it, eqn, vals, infos, traced), None
+
+    def out_infos(self, it, eqn, infos, outs):
+        return [
+            info._replace(lowered=dtype_of(o) == it.dtype)
+            for info, o in zip(
+                provenance(eqn, infos, outs, elementwise=False), outs, strict=True
+            )
+        ]
+
+
+class Float32(RuleClass):
+    """``"float32"``: castable operands to float32."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        vals = [it.cast(v, _F32) if is_castable(dtype_of(v)) else v for v in vals]
+        return promote(it, eqn, vals, infos, traced), None
+
+
+class Bias(RuleClass):
+    """``"bias"``: ``"promote"``, except a bias or a normalisation applied to an
+    activation in the autocast dtype, which runs in that dtype."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        kind = bias_kind(it.dtype, eqn.primitive.name, vals, infos)
+        if kind == "bias":
+            return [it.cast(v, it.dtype) for v in vals], None
+        if kind == "norm":
+            it.note(
+                f"float32 statistic or parameter applied to a {it.dtype.name} "
+                f"activation: cast to {it.dtype.name}, saturating"
+            )
+            return [self.saturating_cast(it, v, it.dtype) for v in vals], None
+        return promote(it, eqn, vals, infos, traced), None
+
+    @staticmethod
+    def saturating_cast(it: Interpreter, x: Any, dtype: np.dtype) -> Any:
+        """``x`` in ``dtype``, its finite values clipped to ``dtype``'s finite
+        range (a statistic such as ``rsqrt(var + eps)`` may exceed float16's);
+        infinities and NaNs are kept."""
+        src = dtype_of(x)
+        if src == dtype or src.itemsize <= np.dtype(dtype).itemsize:
+            return it.cast(x, dtype)
+        fi = jax.numpy.finfo(dtype)
+        lo, hi = np.asarray(fi.min, src), np.asarray(fi.max, src)
+        if isinstance(x, np.ndarray | np.generic):
+            with np.errstate(all="ignore"):
+                return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
+        clipped = lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
+        return it.cast(clipped, dtype)
+
+
+class Keep(RuleClass):
+    """``"keep"``: nothing cast; ``x ** 2`` and negative integer powers are
+    ``"float32"`` (torch's ``pow``)."""
+
+    __slots__ = ()
+
+    def refine(self, eqn):
+        if eqn.primitive.name == "integer_pow":
+            y = eqn.params["y"]
+            if y == 2 or y < 0:  # a square or a reciprocal: float32, as torch's pow
+                return Rule.FLOAT32
+        return None
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return vals, None
+
+
+class Lookup(RuleClass):
+    """``"lookup"``: ``"keep"``, except rows gathered from a wider parameter
+    table by an index array, which are rounded to the autocast dtype."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        table, index = vals[0], vals[1]
+        if (
+            is_castable(dtype_of(table))
+            and dtype_of(table).itemsize > it.dtype.itemsize
+            and infos[0].param
+            and np.ndim(table) >= 2
+            and size_of(index) > 1
+        ):
+            return vals, it.dtype
+        return vals, None
+
+
+class Traced(RuleClass):
+    """``"traced"``: floating operands back to their traced dtypes; the
+    parameters as traced."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return [
+            it.cast(v, t) if floating(dtype_of(v)) and floating(t) else v
+            for v, t in zip(vals, traced, strict=True)
+        ], None
+
+    def adjust_params(self, it, eqn, vals, traced):
+        return _retype_combiner(eqn.params, vals, traced)
+
+
+# The registry: one behaviour per AutocastRule member (tests pin that it covers
+# every member).
+RULE_CLASSES: Mapping[AutocastRule, RuleClass] = MappingProxyType(
+    {
+        Rule.LOWER: Lower(),
+        Rule.FLOAT32: Float32(),
+        Rule.PROMOTE: Promote(),
+        Rule.BIAS: Bias(),
+        Rule.KEEP: Keep(),
+        Rule.LOOKUP: Lookup(),
+        Rule.TRACED: Traced(),
+    }
+)
+
+
+# --------------------------------------------------------------------------- #
+# The interpreter
+# --------------------------------------------------------------------------- #
+
+
 def _in_owned_region(eqn: Any) -> bool:
     stack = getattr(eqn.source_info.name_stack, "stack", ())
     return any(str(getattr(s, "name", "")).startswith(REGION_PREFIX) for s in stack)
@@ -124,33 +407,26 @@ def _has_subcomputations(params: Mapping[str, Any]) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _source_of(eqn: Any):
-    """Emit under ``eqn``'s name stack and traceback (as ``jax.core.eval_jaxpr``
-    does), so profiles and errors point at the user's code."""
-    try:
-        from jax._src import source_info_util as siu
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    names = siu.current_name_stack() + eqn.source_info.name_stack
-    ctx = getattr(eqn.ctx, "manager", None) or contextlib.nullcontext()
-    with siu.user_context(eqn.source_info.traceback, name_stack=names), ctx:
-        yield
-
-
 class Interpreter:
-    """Evaluates jaxprs with per-primitive dtype rules (see :func:`autocast`)."""
+    """Evaluates jaxprs with per-primitive dtype rules (see :func:`autocast`).
+
+    ``table`` maps primitive names to :class:`~jaxscale.AutocastRule` members,
+    ``classes`` the members to their behaviour (:data:`RULE_CLASSES`), and
+    ``handlers`` higher-order primitive names to the functions that evaluate
+    them (:data:`jaxscale._autocast_hop.HANDLERS`).
+    """
 
     def __init__(
         self,
         dtype: np.dtype,
         table: Mapping[str, AutocastRule],
         handlers: Mapping[str, Callable[..., Any]],
+        classes: Mapping[AutocastRule, RuleClass] = RULE_CLASSES,
     ):
         self.dtype = dtype
         self.table = table
         self.handlers = handlers
+        self.classes = classes
         # Casts made in the jaxpr being evaluated, so that a value used by several
         # equations is cast once: id -> (value, dtype, cast value).
         self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
@@ -203,7 +479,7 @@ class Interpreter:
             pairs = [read(v) for v in eqn.invars]
             vals = [p[0] for p in pairs]
             in_infos = [p[1] for p in pairs]
-            with _source_of(eqn):
+            with eqn_context(eqn):
                 outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
             for var, o, i in zip(eqn.outvars, outs, out_infos, strict=True):
                 env[var] = (o, i)
@@ -229,10 +505,8 @@ class Interpreter:
         self, eqn: Any, vals: list[Any], infos: list[Info]
     ) -> tuple[list[Any], list[Info]]:
         name = eqn.primitive.name
-        rule = self.table.get(name)
-        if _in_owned_region(eqn):
-            rule = Rule.TRACED
-        if name in HIGHER_ORDER and rule is not Rule.TRACED:
+        rule = Rule.TRACED if _in_owned_region(eqn) else self.table.get(name)
+        if rule is None and name in HIGHER_ORDER:  # not overridden: recurse
             handler = self.handlers.get(name)
             result = handler(self, eqn, vals, infos) if handler else None
             if result is not None:
@@ -240,45 +514,43 @@ class Interpreter:
             self.warn(name, "its parameters are not the ones this version expects")
             rule = Rule.TRACED
         traced = [v.aval.dtype for v in eqn.invars]
-        unknown = rule is None
-        if unknown:
+        retry = False  # an unknown first-order primitive: as traced if it refuses
+        if rule is None:
             if _has_subcomputations(eqn.params):
                 self.warn(name, "autocast does not know this higher-order primitive")
                 rule = Rule.TRACED
             else:  # unknown first-order primitive: at its inputs' dtypes
-                rule = Rule.PROMOTE
+                rule, retry = Rule.PROMOTE, True
         if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
             return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
-        if name == "integer_pow" and rule is Rule.KEEP:
-            y = eqn.params["y"]
-            if y == 2 or y < 0:  # a square or a reciprocal: float32, as torch's pow
-                rule = Rule.FLOAT32
+        rule = self.classes[rule].refine(eqn) or rule
         self._notes = []
-        given = vals
-        vals, out_dtype = self.cast_operands(rule, name, vals, infos, traced)
-        params = self.adjust_params(rule, eqn, vals, traced)
+        cls = self.classes[rule]
+        used, out_dtype = cls.cast_operands(self, eqn, vals, infos, traced)
+        params = cls.adjust_params(self, eqn, used, traced)
         try:
-            outs = bind(eqn.primitive, params, vals)
+            outs = cls.emit(self, eqn, params, used)
         except (TypeError, ValueError) as e:
-            if not unknown or rule is Rule.TRACED:
+            if not retry:
                 raise
             # An unknown primitive that refuses other dtypes runs as traced.
             self.warn(name, f"it refused its inputs' dtypes: {e}")
             rule = Rule.TRACED
-            vals, out_dtype = self.cast_operands(rule, name, given, infos, traced)
-            outs = bind(eqn.primitive, eqn.params, vals)
+            cls = self.classes[rule]
+            used, out_dtype = cls.cast_operands(self, eqn, vals, infos, traced)
+            outs = cls.emit(self, eqn, cls.adjust_params(self, eqn, used, traced), used)
         if out_dtype is not None:
             outs = [
                 self.cast(o, out_dtype) if is_castable(dtype_of(o)) else o for o in outs
             ]
-        out_infos = provenance(rule, name, eqn, infos, outs, self.dtype)
+        out_infos = cls.out_infos(self, eqn, infos, outs)
         if self.observer is not None:
             self.observer(
                 Record(
                     eqn,
                     rule,
                     tuple(traced),
-                    tuple(vals),
+                    tuple(used),
                     tuple(outs),
                     tuple(self._notes),
                 )
@@ -297,191 +569,3 @@ class Interpreter:
 
     def note(self, text: str) -> None:
         self._notes.append(text)
-
-    def cast_operands(
-        self,
-        rule: AutocastRule,
-        name: str,
-        vals: list[Any],
-        infos: list[Info],
-        traced: list[np.dtype],
-    ) -> tuple[list[Any], np.dtype | None]:
-        """The operands to bind, and the dtype the outputs are rounded to (or
-        ``None``: as they come)."""
-        if rule is Rule.KEEP:
-            return vals, None
-        if rule is Rule.LOOKUP:
-            table, index = vals[0], vals[1]
-            if (
-                is_castable(dtype_of(table))
-                and dtype_of(table).itemsize > self.dtype.itemsize
-                and infos[0].param
-                and np.ndim(table) >= 2
-                and size_of(index) > 1
-            ):
-                return vals, self.dtype
-            return vals, None
-        if rule is Rule.TRACED:
-            return [
-                self.cast(v, t) if floating(dtype_of(v)) and floating(t) else v
-                for v, t in zip(vals, traced, strict=True)
-            ], None
-        if rule is Rule.FLOAT32:
-            vals = [self.cast(v, _F32) if is_castable(dtype_of(v)) else v for v in vals]
-        elif rule is Rule.LOWER:
-            target = self.dtype
-            for v, i in zip(vals, infos, strict=True):
-                misfit = self._misfit(v, i, target)
-                if misfit is not None:
-                    self.note(f"constant {misfit[1]}: runs in float32")
-                    target = _F32
-                    break
-            vals = [
-                self.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals
-            ]
-        elif rule is Rule.BIAS:
-            kind = self._bias_kind(name, vals, infos)
-            if kind == "bias":
-                return [self.cast(v, self.dtype) for v in vals], None
-            if kind == "norm":
-                self.note(
-                    f"float32 statistic or parameter applied to a {self.dtype.name} "
-                    f"activation: cast to {self.dtype.name}, saturating"
-                )
-                return [self.saturating_cast(v, self.dtype) for v in vals], None
-        return self._promote(name, vals, infos, traced), None
-
-    def saturating_cast(self, x: Any, dtype: np.dtype) -> Any:
-        """``x`` in ``dtype``, its finite values clipped to ``dtype``'s finite
-        range (a statistic such as ``rsqrt(var + eps)`` may exceed float16's);
-        infinities and NaNs are kept."""
-        src = dtype_of(x)
-        if src == dtype or src.itemsize <= np.dtype(dtype).itemsize:
-            return self.cast(x, dtype)
-        fi = jax.numpy.finfo(dtype)
-        lo, hi = np.asarray(fi.min, src), np.asarray(fi.max, src)
-        if isinstance(x, np.ndarray | np.generic):
-            with np.errstate(all="ignore"):
-                return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
-        clipped = lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
-        return self.cast(clipped, dtype)
-
-    def _misfit(self, v: Any, info: Info, target: np.dtype) -> tuple[str, str] | None:
-        """Why the constant ``v`` does not survive a cast to ``target`` (see
-        :func:`const_fit`) and a description, or None (not a constant, not
-        narrowed, or it fits)."""
-        src = dtype_of(v)
-        if info.const is None or not is_castable(src):
-            return None
-        if not is_castable(target) or src.itemsize <= target.itemsize:
-            return None
-        why = const_fit(info.const, src, target)
-        if why is None:
-            return None
-        value = const_values(info.const, src).ravel()[0] if size_of(v) else 0
-        what = "overflows to inf" if why == "inf" else "rounds to 0"
-        return why, f"{float(value):.6g} {what} in {np.dtype(target).name}"
-
-    def _bias_kind(self, name: str, vals: list[Any], infos: list[Info]) -> str | None:
-        """``"bias"``: ``low + bias`` or ``low - bias`` (either order), ``low`` in
-        ``dtype`` from a "lower" op, ``bias`` a castable wider parameter of rank
-        <= 1, broadcast or reshaped: the bias is cast to ``dtype`` (torch's
-        ``linear``). ``"norm"``: an activation in ``dtype`` combined with a wider
-        value broadcast from fewer elements that is a parameter, a statistic
-        (reductions of activations, as a norm's mean and variance) or a constant
-        that fits ``dtype``: the wider value is cast to ``dtype`` (saturating) and
-        the operation runs in ``dtype``, so the activation stays in ``dtype`` as
-        with torch's ``batch_norm`` and Flax's ``dtype=float16``."""
-        if len(vals) != 2:
-            return None
-        for k in (0, 1):
-            low, wide, lo_i, w_i = vals[k], vals[1 - k], infos[k], infos[1 - k]
-            if dtype_of(low) != self.dtype or not is_castable(dtype_of(wide)):
-                continue
-            if dtype_of(wide).itemsize <= self.dtype.itemsize:
-                continue
-            if self._misfit(wide, w_i, self.dtype) is not None:
-                return None
-            if (
-                name in ("add", "sub")
-                and lo_i.lowered
-                and w_i.param
-                and w_i.src_rank <= 1
-            ):
-                return "bias"
-            size = size_of(low)
-            if (
-                lo_i.src_size >= size > 1
-                and 1 < w_i.src_size < size
-                and (w_i.param or w_i.stat or w_i.const is not None)
-            ):
-                return "norm"
-        return None
-
-    def _promote(
-        self,
-        name: str,
-        vals: list[Any],
-        infos: list[Info],
-        traced: list[np.dtype],
-    ) -> list[Any]:
-        """Operands that were traced with one floating dtype (so the primitive needs
-        them equal) and now differ go to the widest; scalars decide only if all are
-        scalars (torch's rule for zero-dimensional tensors). A constant that would
-        not survive the narrowing (see :func:`const_fit`) widens the operation
-        instead, or, in a selection, saturates to the narrow dtype's range."""
-        groups: dict[np.dtype, list[int]] = {}
-        for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
-            if floating(dtype_of(v)) and floating(t):
-                groups.setdefault(np.dtype(t), []).append(i)
-        out = list(vals)
-        for idx in groups.values():
-            if len({dtype_of(vals[i]) for i in idx}) < 2:
-                continue
-            deciding = [i for i in idx if infos[i].src_rank > 0] or idx
-            target = widest([dtype_of(vals[i]) for i in deciding])
-            saturated: dict[int, Any] = {}
-            for i in idx:
-                misfit = self._misfit(vals[i], infos[i], target)
-                if misfit is None:
-                    continue
-                why, text = misfit
-                if name in SELECTIONS and why == "inf":
-                    self.note(f"constant {text}: saturated to the finite range")
-                    src = dtype_of(vals[i])
-                    saturated[i] = saturate(infos[i].const, src, target)
-                else:
-                    self.note(f"constant {text}: runs in float32")
-                    target = widest([dtype_of(vals[j]) for j in idx])
-                    saturated = {}
-                    break
-            for i in idx:
-                out[i] = saturated[i] if i in saturated else self.cast(vals[i], target)
-        return out
-
-    def adjust_params(
-        self, rule: AutocastRule, eqn: Any, vals: list[Any], traced: list[np.dtype]
-    ) -> Mapping[str, Any]:
-        params = eqn.params
-        pref = params.get("preferred_element_type")
-        if rule is not Rule.TRACED and pref is not None:
-            floats = [t for t in traced if floating(t)]
-            if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
-                new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
-                params = dict(params, preferred_element_type=new[0])
-        update = params.get("update_jaxpr")
-        if update is not None and dtype_of(vals[0]) != traced[0]:
-            # scatter-add & co. carry their combiner typed at the traced dtype.
-            aval = jax.core.ShapedArray((), dtype_of(vals[0]))
-            consts = params.get("update_consts", ())
-
-            def combiner(a: Any, b: Any) -> list[Any]:
-                return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(update, consts))(a, b)
-
-            new_update = trace(combiner, [aval, aval])
-            params = dict(
-                params,
-                update_jaxpr=new_update.jaxpr,
-                update_consts=tuple(new_update.consts),
-            )
-        return params

@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast import _check_dtype, _run
-from jaxscale._autocast_census import _INLINE, _Census, _Compare, _floating, _source
+from jaxscale._autocast import check_dtype, interpret
+from jaxscale._autocast_census import INLINE_HANDLERS, Census, Compare, source_of
 from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_report_text import _render
+from jaxscale._autocast_report_text import render
 from jaxscale._autocast_rules import AutocastRule, resolve_rules
-from jaxscale._cotangents import _as_pure
+from jaxscale._autocast_values import floating
+from jaxscale._cotangents import as_pure
 
 __all__ = ["AutocastReport", "AutocastSite", "autocast_report"]
 
@@ -172,7 +173,7 @@ class AutocastReport:
         return f"AutocastReport({self.dtype}: {', '.join(parts)})"
 
     def __str__(self) -> str:
-        return _render(self)
+        return render(self)
 
 
 # --------------------------------------------------------------------------- #
@@ -191,7 +192,7 @@ def _counts(pairs: Sequence[tuple[str, str]]) -> Mapping[str, Mapping[str, int]]
 
 
 def _site(entry: dict[str, Any], note: str) -> AutocastSite:
-    source, location = _source(entry["eqns"])
+    source, location = source_of(entry["eqns"])
     shape, dtype = entry["outs"][0] if entry["outs"] else ((), np.dtype("float32"))
     return AutocastSite(
         entry["name"], source, location, shape, np.dtype(dtype).name, note
@@ -199,7 +200,7 @@ def _site(entry: dict[str, Any], note: str) -> AutocastSite:
 
 
 def _build(
-    census: _Census, min_size: int | None, deviation: Sequence[AutocastSite] | None
+    census: Census, min_size: int | None, deviation: Sequence[AutocastSite] | None
 ) -> AutocastReport:
     entries = list(census.entries.values())
     lowered = [
@@ -210,11 +211,11 @@ def _build(
     ]
     if min_size is None:
         min_size = max(max(lowered, default=0) // _ISLAND_FRACTION, 1)
-    sources = {id(e): _source(e["eqns"])[0] for e in entries}
+    sources = {id(e): source_of(e["eqns"])[0] for e in entries}
     nbytes: dict[str, int] = {}
     for e in entries:
         for shape, dtype in e["outs"]:
-            if _floating(dtype):
+            if floating(dtype):
                 size = int(np.prod(shape, dtype=np.int64))
                 nbytes[dtype.name] = nbytes.get(dtype.name, 0) + size * dtype.itemsize
     islands = tuple(
@@ -254,7 +255,7 @@ def _build(
 def _abstract_pure(
     fun: Callable[..., Any], args: tuple, kwargs: dict
 ) -> tuple[Callable[..., Any], list[Any]]:
-    """:func:`_as_pure`, with ``jax.ShapeDtypeStruct`` leaves as arrays too (for
+    """:func:`as_pure`, with ``jax.ShapeDtypeStruct`` leaves as arrays too (for
     ``jax.eval_shape``): stand-ins of no size mark them, then they replace them."""
     shapes: dict[int, Any] = {}
 
@@ -267,7 +268,7 @@ def _abstract_pure(
 
     is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     args, kwargs = jax.tree.map(stand_in, (args, kwargs), is_leaf=is_sds)
-    pure, arrays = _as_pure(fun, args, kwargs)
+    pure, arrays = as_pure(fun, args, kwargs)
     return pure, [shapes[id(a)][1] if id(a) in shapes else a for a in arrays]
 
 
@@ -377,7 +378,7 @@ def autocast_report(
             "`jxs.autocast_report(fun, dtype)(*args)` reports what "
             "`jxs.autocast(fun, dtype)(*args)` does."
         )
-    dt = _check_dtype(dtype)
+    dt = check_dtype(dtype)
     table = resolve_rules(rules)
     if not isinstance(compare, bool | np.bool_):
         raise TypeError(f"`compare` must be a Python bool, got {compare!r}.")
@@ -397,15 +398,17 @@ def autocast_report(
                 "pass arrays (not `jax.ShapeDtypeStruct`), and call its function "
                 "outside `jax.jit` and other transformations."
             )
-        census = _Census(dt, table, HANDLERS)
+        census = Census(dt, table, HANDLERS)
         pure, arrays = _abstract_pure(
-            lambda *a, **kw: _run(fun, census, a, kw), args, kwargs
+            lambda *a, **kw: interpret(fun, census, a, kw), args, kwargs
         )
         jax.eval_shape(pure, arrays)
         deviation = None
         if compare:
-            it = _Compare(dt, table, _INLINE)
-            pure, arrays = _as_pure(lambda *a, **kw: _run(fun, it, a, kw), args, kwargs)
+            it = Compare(dt, table, INLINE_HANDLERS)
+            pure, arrays = as_pure(
+                lambda *a, **kw: interpret(fun, it, a, kw), args, kwargs
+            )
             pure(arrays)
             deviation = [AutocastSite(**s) for s in it.sites.values()]
         return _build(census, min_size, deviation)

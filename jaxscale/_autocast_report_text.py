@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["render", "typed"]
+
 _ROWS = 10  # rows per list in the printed report
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 
 
-def _typed(dtype: Any, shape: Sequence[int]) -> str:
+def typed(dtype: Any, shape: Sequence[int]) -> str:
     """``f16[2,8]``, as JAX prints avals."""
     name = np.dtype(dtype).name
     return f"{_SHORT.get(name, name)}[{','.join(map(str, shape))}]"
@@ -93,7 +95,7 @@ def _grouped(sites: Sequence[Any]) -> list[list[str]]:
             [
                 source,
                 prims,
-                _typed(big.dtype, big.shape),
+                typed(big.dtype, big.shape),
                 note,
                 _elsewhere(where, source),
             ]
@@ -118,7 +120,7 @@ def _section(
         lines.append(f"  ... {len(rows) - _ROWS} more rows: see report.{what}")
 
 
-def _render(r: Any) -> str:
+def render(r: Any) -> str:
     """The report ``r`` (an :class:`~jaxscale.AutocastReport`) as tables."""
     dts = _dtype_order(r)
     per = [sum(row.get(d, 0) for row in r.by_primitive.values()) for d in dts]
@@ -149,7 +151,7 @@ def _render(r: Any) -> str:
             [
                 s.source,
                 s.primitive,
-                _typed(s.dtype, s.shape),
+                typed(s.dtype, s.shape),
                 s.note,
                 _elsewhere(s.location, s.source),
             ]
@@ -173,7 +175,7 @@ def _render(r: Any) -> str:
                 [
                     s.source,
                     s.primitive,
-                    _typed(s.dtype, s.shape),
+                    typed(s.dtype, s.shape),
                     "-" if s.local_error is None else f"{s.local_error:.1e}",
                     f"{s.rel_error:.1e}",
                     f"{s.abs_error:.3g}",

@@ -288,22 +288,25 @@ _DEFAULT: dict[str, AutocastRule] = {
     **dict.fromkeys(_TRACED, AutocastRule.TRACED),
 }
 
-# Higher-order primitives the interpreter recurses into ("pjit" is the jit
-# primitive's name before jax 0.7; "checkpoint" and "remat2" are jax.checkpoint's).
-HIGHER_ORDER = frozenset(
+# Higher-order primitives the interpreter recurses into, each with the construct
+# it is (the key of its handler in ``jaxscale._autocast_hop``, which builds
+# ``HANDLERS`` from this table). The one list of their names, which change across
+# jax versions: "pjit" is the jit primitive's name before jax 0.7; "checkpoint"
+# and "remat2" are jax.checkpoint's; "core_call" is closed_call's older form.
+HIGHER_ORDER: Mapping[str, str] = types.MappingProxyType(
     {
-        "checkpoint",
-        "closed_call",
-        "cond",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "jit",
-        "pjit",
-        "remat2",
-        "scan",
-        "shard_map",
-        "while",
+        "checkpoint": "remat",
+        "closed_call": "call",
+        "cond": "cond",
+        "core_call": "call",
+        "custom_jvp_call": "custom_jvp",
+        "custom_vjp_call": "custom_vjp",
+        "jit": "jit",
+        "pjit": "jit",
+        "remat2": "remat",
+        "scan": "scan",
+        "shard_map": "shard_map",
+        "while": "while",
     }
 )
 

@@ -3,30 +3,31 @@ interpreter knows about where a value came from (:class:`Info`): its source's ra
 and size (torch's scalar rule, the bias and normalisation rules), whether it is a
 parameter or a statistic, and its values when they are known at trace time (a
 constant, checked against the narrow dtype's range: :func:`const_fit`,
-:func:`saturate`). :func:`provenance` derives an equation's outputs' ``Info``.
+:func:`saturate`). :func:`provenance` derives an equation's outputs' ``Info``
+(the rule classes of :mod:`jaxscale._autocast_interp` refine it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
-from jaxscale._autocast_rules import AutocastRule
+from jaxscale._jax_private import bind
 
 __all__ = [
     "Const",
     "Info",
     "REDUCTIONS",
     "SELECTIONS",
-    "bind",
+    "bias_kind",
     "cast",
     "const_fit",
     "const_info",
+    "const_misfit",
     "const_values",
     "dtype_of",
     "floating",
@@ -36,11 +37,9 @@ __all__ = [
     "provenance",
     "saturate",
     "size_of",
-    "trace",
     "widest",
 ]
 
-Rule = AutocastRule
 _F16, _BF16, _F32 = (
     np.dtype(jax.numpy.dtype(d)) for d in ("float16", "bfloat16", "float32")
 )
@@ -129,6 +128,57 @@ def saturate(const: Const, src: np.dtype, dst: np.dtype) -> Any:
     return out
 
 
+def const_misfit(v: Any, info: Info, target: np.dtype) -> tuple[str, str] | None:
+    """Why the constant ``v`` does not survive a cast to ``target`` (see
+    :func:`const_fit`) and a description, or None (not a constant, not
+    narrowed, or it fits)."""
+    src = dtype_of(v)
+    if info.const is None or not is_castable(src):
+        return None
+    if not is_castable(target) or src.itemsize <= target.itemsize:
+        return None
+    why = const_fit(info.const, src, target)
+    if why is None:
+        return None
+    value = const_values(info.const, src).ravel()[0] if size_of(v) else 0
+    what = "overflows to inf" if why == "inf" else "rounds to 0"
+    return why, f"{float(value):.6g} {what} in {np.dtype(target).name}"
+
+
+def bias_kind(
+    dtype: np.dtype, name: str, vals: list[Any], infos: list[Info]
+) -> str | None:
+    """``"bias"``: ``low + bias`` or ``low - bias`` (either order), ``low`` in
+    ``dtype`` from a "lower" op, ``bias`` a castable wider parameter of rank
+    <= 1, broadcast or reshaped: the bias is cast to ``dtype`` (torch's
+    ``linear``). ``"norm"``: an activation in ``dtype`` combined with a wider
+    value broadcast from fewer elements that is a parameter, a statistic
+    (reductions of activations, as a norm's mean and variance) or a constant
+    that fits ``dtype``: the wider value is cast to ``dtype`` (saturating) and
+    the operation runs in ``dtype``, so the activation stays in ``dtype`` as
+    with torch's ``batch_norm`` and Flax's ``dtype=float16``."""
+    if len(vals) != 2:
+        return None
+    for k in (0, 1):
+        low, wide, lo_i, w_i = vals[k], vals[1 - k], infos[k], infos[1 - k]
+        if dtype_of(low) != dtype or not is_castable(dtype_of(wide)):
+            continue
+        if dtype_of(wide).itemsize <= dtype.itemsize:
+            continue
+        if const_misfit(wide, w_i, dtype) is not None:
+            return None
+        if name in ("add", "sub") and lo_i.lowered and w_i.param and w_i.src_rank <= 1:
+            return "bias"
+        size = size_of(low)
+        if (
+            lo_i.src_size >= size > 1
+            and 1 < w_i.src_size < size
+            and (w_i.param or w_i.stat or w_i.const is not None)
+        ):
+            return "norm"
+    return None
+
+
 def dtype_of(x: Any) -> Any:
     return x.dtype
 
@@ -162,30 +212,6 @@ def cast(x: Any, dtype: np.dtype) -> Any:
     if isinstance(x, np.ndarray | np.generic):
         return np.asarray(x, dtype)
     return lax.convert_element_type(x, dtype)
-
-
-def trace(fn: Callable[..., Sequence[Any]], avals: Sequence[Any]) -> Any:
-    """``fn`` traced to a ``ClosedJaxpr`` at abstract values ``avals`` (which keep
-    their shardings and varying manual axes, unlike ``ShapeDtypeStruct``)."""
-    from jax._src import api_util
-    from jax._src import linear_util as lu
-    from jax._src.interpreters import partial_eval as pe
-
-    debug = api_util.debug_info("jaxscale.autocast", fn, tuple(avals), {})
-    traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), list(avals))
-    return jcore.ClosedJaxpr(traced[0], traced[2])  # (jaxpr, out_avals, consts, ...)
-
-
-def bind(primitive: Any, params: Mapping[str, Any], vals: Sequence[Any]) -> list[Any]:
-    """Bind ``primitive`` on ``vals`` with the parameters of a jaxpr equation, as
-    ``jax.core.eval_jaxpr`` does; always a list of outputs."""
-    params = primitive.get_bind_params(params)
-    if isinstance(params, tuple):  # older jax: (subfuns, params)
-        subfuns, params = params
-        out = primitive.bind(*subfuns, *vals, **params)
-    else:
-        out = primitive.bind(*vals, **params)
-    return list(out) if primitive.multiple_results else [out]
 
 
 # Provenance: which primitives pass a value's origin through.
@@ -238,15 +264,12 @@ def _nonunit(shape: Sequence[int]) -> list[int]:
 
 
 def provenance(
-    rule: AutocastRule,
-    name: str,
-    eqn: Any,
-    infos: list[Info],
-    outs: list[Any],
-    dtype: np.dtype,
+    eqn: Any, infos: list[Info], outs: list[Any], elementwise: bool = True
 ) -> list[Info]:
-    """The ``Info`` of an equation's outputs, from its operands' (``dtype`` is the
-    autocast dtype)."""
+    """The ``Info`` of an equation's outputs, from its operands'. With
+    ``elementwise=False`` (a contraction: a matmul, a convolution) broadcast
+    operands do not bound the outputs' number of distinct sources."""
+    name = eqn.primitive.name
     floats = [
         i for i, v in zip(infos, eqn.invars, strict=True) if floating(v.aval.dtype)
     ]
@@ -257,7 +280,7 @@ def provenance(
         stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
     # Elementwise on broadcast operands (a statistic times a scale): the
     # result holds no more distinct sources than its operands together.
-    elementwise = rule is not Rule.LOWER and name not in REDUCTIONS
+    elementwise = elementwise and name not in REDUCTIONS
     in_size = sum(i.src_size for i in infos) if elementwise else None
     result = []
     for out in outs:
@@ -279,8 +302,6 @@ def provenance(
             param = infos[0].param
         if infos and name in _SAME_LOWERED:
             lowered = infos[0].lowered
-        if rule is Rule.LOWER:
-            lowered = dtype_of(out) == dtype
         if infos and name in _SAME_VALUES and infos[0].const is not None:
             if floating(dtype_of(out)):
                 c = infos[0].const

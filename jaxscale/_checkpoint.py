@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxscale._hooks import LeafFlags
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxscale._state import DynamicScalingState, LeafFlags
+from jaxscale._tree import ROOT_NAME, leaf_names
 
 __all__ = ["register_flax_serialization", "upgrade_checkpoint"]
 
@@ -128,30 +129,122 @@ def register_flax_serialization() -> None:
         )
 
 
-def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
-    """Restores a checkpoint written by jaxscale 0.1.0 into a state of this version.
+class _Before030(NamedTuple):
+    """``DynamicScalingState`` as jaxscale 0.1.0 and 0.2.0 stored it."""
 
-    jaxscale 0.1.0 stored ``DynamicScalingState.nonfinite_leaves`` as ``None``
-    unless built with ``track_nonfinite=True``; since 0.2.0 the per-leaf flags
-    are always part of the state, so restoring such a checkpoint straight into
-    ``tx.init(params)`` fails on the structure (orbax: a tree mismatch;
-    ``flax.serialization``: ``'NoneType' object has no attribute 'keys'``).
-    This function calls your ``restore`` with the 0.1.0 layout of ``target``
-    (every flags subtree replaced by ``None``) and puts fresh all-``False``
-    flags back into the result. Checkpoints that already hold flags (0.1.0 with
-    ``track_nonfinite=True``, or this version) restore directly, without it.
+    loss_scale: Any
+    inner_state: Any
+    steps: Any
+    skipped_steps: Any
+    consecutive_skips: Any
+    last_step_finite: Any
+    steps_at_floor: Any
+    nonfinite_leaves: Any = None
+
+
+def _flag_tree(names: tuple[str, ...]) -> Any:
+    """0.1.0's ``track_nonfinite=True`` flags: a ``bool[]`` per gradient leaf in
+    the structure of the params, rebuilt from the leaves' names (nested dicts)."""
+    if names == (ROOT_NAME,):
+        return jnp.zeros((), jnp.bool_)
+    tree: dict[str, Any] = {}
+    for name in names:
+        *parents, leaf = name.split("/")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = jnp.zeros((), jnp.bool_)
+    return tree
+
+
+def _legacy(state: DynamicScalingState, layout: str) -> Any:
+    if layout == "0.3":
+        return state
+    flags = state.nonfinite_leaves
+    stored = {"0.2.0": flags, "0.1.0": None, "0.1.0 (track_nonfinite=True)": None}
+    if layout == "0.1.0 (track_nonfinite=True)":
+        stored[layout] = _flag_tree(flags.names)
+    return _Before030(
+        loss_scale=state.loss_scale,
+        inner_state=state.inner_state,
+        steps=state.steps,
+        skipped_steps=state.skipped_steps,
+        consecutive_skips=state.consecutive_skips,
+        last_step_finite=jnp.ones((), jnp.bool_),
+        steps_at_floor=jnp.zeros((), jnp.int32),
+        nonfinite_leaves=stored[layout],
+    )
+
+
+def _current(old: Any, target: DynamicScalingState, layout: str) -> Any:
+    if layout == "0.3":
+        return old
+    names = target.nonfinite_leaves.names
+    if layout == "0.2.0":
+        flags = old.nonfinite_leaves
+    elif layout == "0.1.0":
+        flags = no_flags_like(names)
+    else:
+        got = dict(
+            zip(
+                leaf_names(old.nonfinite_leaves),
+                jax.tree.leaves(old.nonfinite_leaves),
+                strict=True,
+            )
+        )
+        flags = LeafFlags(
+            jnp.stack([jnp.asarray(got[n], jnp.bool_) for n in names]), names
+        )
+    return DynamicScalingState(
+        loss_scale=old.loss_scale,
+        inner_state=old.inner_state,
+        steps=old.steps,
+        skipped_steps=old.skipped_steps,
+        consecutive_skips=old.consecutive_skips,
+        nonfinite_leaves=flags,
+    )
+
+
+def no_flags_like(names: tuple[str, ...]) -> LeafFlags:
+    """All-``False`` flags for leaves named ``names``."""
+    return LeafFlags(jnp.zeros((len(names),), jnp.bool_) if names else None, names)
+
+
+_LAYOUTS = ("0.3", "0.2.0", "0.1.0", "0.1.0 (track_nonfinite=True)")
+
+
+def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
+    """Restores a checkpoint of any jaxscale version into this version's layout.
+
+    The state of :func:`dynamic_scaling` changed twice. jaxscale 0.1.0 and 0.2.0
+    stored ``last_step_finite`` (now derived from ``consecutive_skips``) and the
+    monitor's ``steps_at_floor`` (now in ``jxs.diagnostics.MonitorState``);
+    0.1.0 stored the per-leaf flags as ``None`` (by default) or as a ``bool[]``
+    per leaf (``track_nonfinite=True``), 0.2.0 and later as one ``bool[n]``
+    array. Restoring an old checkpoint straight into ``tx.init(params)`` fails
+    on the structure. This function calls your ``restore`` with ``target`` in
+    each layout in turn, newest first, and converts the first that restores:
+    counters, loss scale and inner state as stored, the flags as stored (all
+    ``False`` where 0.1.0 kept none). A checkpoint of this version comes back
+    as ``restore(target)`` would return it.
 
     Args:
       restore: a function from a target pytree to the restored pytree, e.g.
         ``lambda like: checkpointer.restore(path, like)`` (orbax; pass abstract
         or concrete targets as orbax expects) or
-        ``lambda like: flax.serialization.from_bytes(like, data)``.
+        ``lambda like: flax.serialization.from_bytes(like, data)``. It is
+        called once per layout tried, so it must not consume its input.
       target: what you would restore into today: ``tx.init(params)``, a
         ``TrainState``, or their abstract (``ShapeDtypeStruct``) version.
 
     Returns:
       The restored pytree in this version's layout. Run
       :func:`validate_state` on it, as after any restore.
+
+    Raises:
+      TypeError: if ``restore`` is not callable.
+      ValueError: if ``target`` holds no :class:`DynamicScalingState`, or no
+        layout restores (the message gives each layout's error).
 
     Examples:
       >>> import jaxscale as jxs
@@ -160,42 +253,55 @@ def upgrade_checkpoint(restore: Callable[[Any], Any], target: Any) -> Any:
       >>> from flax import serialization
       >>> tx = jxs.dynamic_scaling(optax.sgd(0.1))
       >>> target = tx.init({"w": jnp.zeros(2)})
-      >>> old = target._replace(nonfinite_leaves=None)  # what 0.1.0 wrote
-      >>> data = serialization.to_bytes(old)
+      >>> old = serialization.to_state_dict(target)  # as jaxscale 0.2.0 wrote it:
+      >>> old.update(last_step_finite=jnp.bool_(True), steps_at_floor=jnp.int32(0))
+      >>> data = serialization.msgpack_serialize(old)
       >>> state = jxs.upgrade_checkpoint(
       ...     lambda like: serialization.from_bytes(like, data), target)
-      >>> state.nonfinite_leaves
-      LeafFlags(flags=Array([False], dtype=bool), names=('w',))
+      >>> int(state.steps), state.nonfinite_leaves.names
+      (0, ('w',))
     """
-    from jaxscale._transform import DynamicScalingState
-
-    def is_state(x: Any) -> bool:
-        return isinstance(x, DynamicScalingState)
-
     if not callable(restore):
         raise TypeError(
             "`restore` must be a function from a target pytree to the restored "
             f"pytree (e.g. `lambda like: checkpointer.restore(path, like)`), got "
             f"{type(restore).__name__}."
         )
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, DynamicScalingState)
+
     found = [x for x in jax.tree.leaves(target, is_leaf=is_state) if is_state(x)]
     if not found:
         raise ValueError(
             "`target` contains no jxs.DynamicScalingState: pass what you would "
             f"restore into, e.g. `tx.init(params)`; got {type(target).__name__}."
         )
-    legacy = jax.tree.map(
-        lambda x: x._replace(nonfinite_leaves=None) if is_state(x) else x,
-        target,
-        is_leaf=is_state,
-    )
-    restored = restore(legacy)
-    flags = iter(
-        jax.tree.map(lambda f: jnp.zeros(jnp.shape(f), jnp.bool_), x.nonfinite_leaves)
-        for x in found
-    )
-    return jax.tree.map(
-        lambda x: x._replace(nonfinite_leaves=next(flags)) if is_state(x) else x,
-        restored,
-        is_leaf=is_state,
+    errors = []
+    for layout in _LAYOUTS:
+        legacy = jax.tree.map(
+            lambda x, layout=layout: _legacy(x, layout) if is_state(x) else x,
+            target,
+            is_leaf=is_state,
+        )
+        try:
+            restored = restore(legacy)
+        except Exception as e:  # noqa: BLE001 - the next layout may fit
+            errors.append(f"{layout}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        targets = iter(found)
+        return jax.tree.map(
+            lambda x, layout=layout, targets=targets: (
+                _current(x, next(targets), layout)
+                if isinstance(x, _Before030 | DynamicScalingState)
+                else x
+            ),
+            restored,
+            is_leaf=lambda x: isinstance(x, _Before030 | DynamicScalingState),
+        )
+    raise ValueError(
+        "The checkpoint restores into no known layout of jaxscale's state "
+        "(this version's, 0.2.0's, 0.1.0's with or without track_nonfinite). "
+        "Check that `target` is built like the checkpointed state (same params, "
+        "inner optimizer, loss-scale kind). Errors: " + " | ".join(errors)
     )

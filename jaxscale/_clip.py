@@ -21,14 +21,9 @@ import optax
 from jax import lax
 from optax import Params, Updates
 
-from jaxscale._tree import is_float_leaf
+from jaxscale._tree import compute_dtype, is_float_leaf
 
 __all__ = ["clip_by_global_norm", "global_norm"]
-
-
-def _compute_dtype(leaves: list[jax.Array]) -> Any:
-    """float64 if any leaf is float64, else float32."""
-    return jnp.float64 if any(x.dtype == jnp.float64 for x in leaves) else jnp.float32
 
 
 def overflow_safe_norm(leaves: list[jax.Array], dtype: Any) -> jax.Array:
@@ -91,7 +86,7 @@ def global_norm(tree: Any) -> jax.Array:
       Array(inf, dtype=float16)
     """
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
-    return overflow_safe_norm(leaves, _compute_dtype(leaves))
+    return overflow_safe_norm(leaves, compute_dtype([x.dtype for x in leaves]))
 
 
 def _check_max_norm(max_norm: Any) -> None:
@@ -161,7 +156,7 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
     ) -> tuple[Updates, optax.EmptyState]:
         del params
         leaves = [jnp.asarray(x) for x in jax.tree.leaves(updates) if is_float_leaf(x)]
-        dtype = _compute_dtype(leaves)
+        dtype = compute_dtype([x.dtype for x in leaves])
         norm = overflow_safe_norm(leaves, dtype)
         limit = jnp.asarray(max_norm, dtype)
         trigger = norm < limit
@@ -170,7 +165,7 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
             if not is_float_leaf(t):
                 return t
             t = jnp.asarray(t)
-            c = jnp.float64 if t.dtype == jnp.float64 else jnp.float32
+            c = compute_dtype(t.dtype)
             clipped = (t.astype(c) / norm.astype(c)) * limit.astype(c)
             return lax.select(trigger, t, clipped.astype(t.dtype))
 

@@ -8,17 +8,40 @@ runs on skipped steps or replays the overflow. The nesting is visible in the
 optimizer state: this module finds the one :class:`DynamicScalingState` (or
 bare :class:`LossScale`) with its key path, and :func:`check_composition` reads
 the path, at trace time, at no cost in the compiled step.
+
+It is the one finder of jaxscale states in a user object (an optimizer state, a
+Flax ``TrainState``, an ``nnx.Optimizer``, the ``nnx.State`` of a functional NNX
+loop): ``loss_scale_of``, the diagnostics, ``monitor``, ``validate_state``,
+``jaxscale.flax`` and ``jaxscale.testing`` all read through it.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import optax
 
-__all__ = ["CompositionWarning", "check_composition", "check_inner", "find_state"]
+from jaxscale import _nnx
+from jaxscale._loss_scale import (
+    DEFAULT_MAX_SCALE,
+    DEFAULT_MIN_SCALE,
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from jaxscale._state import DynamicScalingState, LeafFlags
+
+__all__ = [
+    "CompositionWarning",
+    "check_composition",
+    "check_inner",
+    "find_state",
+    "scaling_state_of",
+    "scaling_states",
+]
 
 
 class CompositionWarning(UserWarning):
@@ -37,20 +60,6 @@ class CompositionWarning(UserWarning):
       >>> issubclass(jxs.CompositionWarning, UserWarning)
       True
     """
-
-
-def is_variable(x: Any) -> bool:
-    """Flax NNX variables (``nnx.Param``, ``OptArray``) count as leaves."""
-    return type(x).__module__.startswith("flax.nnx") and (
-        hasattr(x, "get_value") or hasattr(x, "value")
-    )
-
-
-def unwrap_variable(x: Any) -> Any:
-    """The array inside a Flax NNX variable wrapper; anything else unchanged."""
-    if not is_variable(x):
-        return x
-    return x.get_value() if hasattr(x, "get_value") else x.value
 
 
 def opt_state_of(state: Any) -> Any:
@@ -78,18 +87,19 @@ def find_state(
         found = [((), tree)]
     else:
         flat, _ = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: isinstance(x, kind) or is_variable(x)
+            tree, is_leaf=lambda x: isinstance(x, kind) or _nnx.is_variable(x)
         )
         found = [(p, x) for p, x in flat if isinstance(x, kind)]
     what = " or ".join(f"jxs.{k.__name__}" for k in _as_tuple(kind))
     if not found:
         hint = ""
-        if _is_nnx_state(tree):
+        if _nnx.is_state(tree):
             hint = (
                 " An nnx.State (from `nnx.split`) holds the optimizer's arrays but "
                 "not the loss scale's configuration, which lives in the GraphDef: "
                 "merge first, `optimizer = nnx.merge(graphdef, state)`, and pass "
-                "the optimizer (or `optimizer.opt_state`). `jxs.diagnostics.summary` and "
+                "the optimizer (or `optimizer.opt_state`). "
+                "`jxs.diagnostics.summary` and "
                 "`jxs.validate_state` take the nnx.State itself."
             )
         raise ValueError(
@@ -105,13 +115,7 @@ def find_state(
             "pass the sub-state you mean."
         )
     path, node = found[0]
-    return path, jax.tree.map(unwrap_variable, node, is_leaf=is_variable)
-
-
-def _is_nnx_state(x: Any) -> bool:
-    return type(x).__name__ in ("State", "GraphState") and type(
-        x
-    ).__module__.startswith("flax.nnx")
+    return path, jax.tree.map(_nnx.unwrap, node, is_leaf=_nnx.is_variable)
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
@@ -156,8 +160,6 @@ def check_composition(opt_state: Any, name: str = "opt_state") -> None:
     that holds no :class:`DynamicScalingState` (a bare :class:`LossScale`) is
     not checked.
     """
-    from jaxscale._transform import DynamicScalingState
-
     try:
         path, _ = find_state(opt_state, DynamicScalingState, name)
     except ValueError:
@@ -215,7 +217,7 @@ def check_composition(opt_state: Any, name: str = "opt_state") -> None:
 
 
 def _child(node: Any, key: Any) -> Any:
-    node = unwrap_variable(node)
+    node = _nnx.unwrap(node)
     if hasattr(key, "idx"):
         return node[key.idx]
     if hasattr(key, "key"):
@@ -258,3 +260,108 @@ _INSIDE_WRONG = {
         "wrap the optimizer once."
     ),
 }
+
+
+# --------------------------------------------------------------------------- #
+# Every scaling state, also in an ``nnx.State``.
+# --------------------------------------------------------------------------- #
+
+# The keys that make a mapping in an ``nnx.State`` a split DynamicScalingState.
+_SCALING_KEYS = frozenset({"steps", "skipped_steps", "consecutive_skips"})
+_I32_MAX = 2**31 - 1
+
+
+def _split_loss_scale(node: Any) -> Any:
+    """The loss scale of a split state, as the kind its fields show, with the
+    widest configuration the library allows (the GraphDef holds the real one)."""
+    keys = set(node) if isinstance(node, Mapping) else set()
+    if {"loss_scale", "growth_tracker", "hysteresis_tracker"} <= keys:
+        return DynamicLossScale(
+            loss_scale=node["loss_scale"],
+            growth_tracker=node["growth_tracker"],
+            hysteresis_tracker=node["hysteresis_tracker"],
+            growth_interval=_I32_MAX,
+            hysteresis=_I32_MAX,
+            min_scale=DEFAULT_MIN_SCALE,
+            max_scale=DEFAULT_MAX_SCALE,
+        )
+    if "loss_scale" in keys:
+        return StaticLossScale(loss_scale=node["loss_scale"])
+    return NoOpLossScale()
+
+
+def _split_flags(node: Any) -> LeafFlags:
+    """The flags of a split state (a mapping ``{"flags": variable}``; the names
+    are in the GraphDef, so they come back as leaf indices)."""
+    flags = node.get("flags") if isinstance(node, Mapping) else None
+    n = 0 if flags is None else int(jax.numpy.shape(_nnx.unwrap(flags))[0])
+    return LeafFlags(flags, tuple(str(i) for i in range(n)))
+
+
+def _split_states(state: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    found = []
+
+    def walk(path: tuple[Any, ...], node: Any) -> None:
+        if not isinstance(node, Mapping):
+            return
+        if _SCALING_KEYS <= set(node):
+            rebuilt = DynamicScalingState(
+                loss_scale=_split_loss_scale(node.get("loss_scale")),
+                inner_state=node.get("inner_state"),
+                steps=node["steps"],
+                skipped_steps=node["skipped_steps"],
+                consecutive_skips=node["consecutive_skips"],
+                nonfinite_leaves=_split_flags(node.get("nonfinite_leaves")),
+            )
+            found.append((path, rebuilt))
+            return
+        for key, value in node.items():
+            walk((*path, jax.tree_util.DictKey(key)), value)
+
+    walk((), state)
+    return found
+
+
+def scaling_states(obj: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(key path, DynamicScalingState)`` for every scaling state in ``obj``,
+    with NNX variables kept as leaves (so a caller can write back into them).
+
+    ``obj`` is an optimizer state, a ``TrainState`` / ``nnx.Optimizer`` (its
+    ``opt_state`` is searched; paths start there), or an ``nnx.State``, where
+    ``nnx.split`` has turned each state into a mapping by field name and moved
+    the loss scale's configuration into the GraphDef: it comes back as the kind
+    its fields show, with the widest configuration the library allows
+    (``min_scale`` the smallest normal float32, ``growth_interval`` and
+    ``hysteresis`` the int32 maximum).
+    """
+    if _nnx.is_state(obj):
+        return _split_states(obj)
+    tree = opt_state_of(obj)
+    if isinstance(tree, DynamicScalingState):
+        return [((), tree)]
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree,
+        is_leaf=lambda x: isinstance(x, DynamicScalingState) or _nnx.is_variable(x),
+    )
+    return [(p, x) for p, x in flat if isinstance(x, DynamicScalingState)]
+
+
+def scaling_state_of(obj: Any, name: str = "opt_state") -> DynamicScalingState:
+    """The one :class:`DynamicScalingState` in ``obj`` (see
+    :func:`scaling_states`), with plain arrays as leaves.
+
+    Raises:
+      ValueError: if there is none, or more than one; the message names ``name``
+        and says what to pass.
+    """
+    if _nnx.is_state(obj):
+        found = _split_states(obj)
+        if len(found) != 1:
+            raise ValueError(
+                f"`{name}` must hold exactly one jxs.dynamic_scaling state, got "
+                f"{len(found)} in this nnx.State. The state of a model alone "
+                "holds none: pass the state of `nnx.split((model, optimizer))` "
+                "or the `nnx.Optimizer`."
+            )
+        return jax.tree.map(_nnx.unwrap, found[0][1], is_leaf=_nnx.is_variable)
+    return find_state(obj, DynamicScalingState, name)[1]

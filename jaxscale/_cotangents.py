@@ -31,9 +31,10 @@ import numpy as np
 from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jaxscale._diagnostics import _half_dtype, _scale_value, cast_masks
-from jaxscale._loss_scale import _scale_tree
+from jaxscale import _nnx
+from jaxscale._loss_scale import scale_tree
 from jaxscale._tree import is_float_leaf
+from jaxscale._underflow import cast_masks, half_dtype, scale_value
 
 __all__ = ["CotangentStats", "cotangent_probe", "cotangent_report", "cotangent_table"]
 
@@ -354,7 +355,7 @@ def _layout(sites: list[tuple[str, int | None]]) -> dict[str, list[int]]:
     return groups
 
 
-def _as_pure(
+def as_pure(
     fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], list[Any]]:
     """``fun(*args, **kwargs)`` as a function of the arrays in its arguments.
@@ -370,7 +371,7 @@ def _as_pure(
     items = (list(args), dict(kwargs))
     if nnx is not None:
         for k, v in [*enumerate(args), *kwargs.items()]:
-            if isinstance(v, nnx.Module):
+            if _nnx.is_object(v):
                 graphs[k], state = nnx.split(v)
                 items[isinstance(k, str)][k] = state
     leaves, treedef = jax.tree.flatten(items)
@@ -470,14 +471,15 @@ def cotangent_report(
       >>> r = report_fn(jnp.ones((3, 2)), jnp.ones((4, 3)))["logits"]
       >>> float(r.flush_fraction)
       1.0
-      >>> r = jxs.diagnostics.cotangent_report(loss, 2.0**15)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> report = jxs.diagnostics.cotangent_report(loss, 2.0**15)
+      >>> r = report(jnp.ones((3, 2)), jnp.ones((4, 3)))
       >>> float(r["logits"].flush_fraction), float(r["logits"].subnormal_fraction)
       (0.0, 1.0)
     """
     if not callable(fun):
         raise TypeError(f"`fun` must be callable, got {fun!r}.")
-    dt = _half_dtype(dtype)
-    _scale_value(loss_scale)  # validate now, read the value per call
+    dt = half_dtype(dtype)
+    scale_value(loss_scale)  # validate now, read the value per call
 
     def scaled_loss(scale: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         out = fun(*args, **kwargs)
@@ -488,18 +490,19 @@ def cotangent_report(
                 + (" as the first element of `(loss, aux)`" if has_aux else "")
                 + f", got {jax.tree.map(lambda v: getattr(v, 'dtype', v), loss)!r}."
             )
-        return jnp.asarray(_scale_tree(loss, scale))
+        return jnp.asarray(scale_tree(loss, scale))
 
     def report(*args: Any, **kwargs: Any) -> dict[str, CotangentStats]:
-        pure, arrays = _as_pure(scaled_loss, args, kwargs)
-        scale = _scale_value(loss_scale)
+        pure, arrays = as_pure(scaled_loss, args, kwargs)
+        scale = scale_value(loss_scale)
         finder = _Recorder(dt)
         with _fresh_traces():
             jax.eval_shape(lambda a, s: _run(finder, pure, a, s), arrays, scale)
         if not finder.sites:
             raise ValueError(
-                "`fun` calls no `jxs.diagnostics.cotangent_probe`: mark the activations to "
-                "measure, e.g. `h = jxs.diagnostics.cotangent_probe(h, 'block0')`, inside the "
+                "`fun` calls no `jxs.diagnostics.cotangent_probe`: mark the "
+                "activations to measure, e.g. "
+                "`h = jxs.diagnostics.cotangent_probe(h, 'block0')`, inside the "
                 "loss."
             )
         _layout(finder.sites)  # name errors before anything is compiled
@@ -546,8 +549,10 @@ def cotangent_table(report: dict[str, CotangentStats]) -> str:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
       >>> def loss(x):
-      ...     return jnp.sum(jxs.diagnostics.cotangent_probe(x, "x") * jnp.array([1e-9, 1.0]))
-      >>> print(jxs.diagnostics.cotangent_table(jxs.diagnostics.cotangent_report(loss)(jnp.ones(2))))
+      ...     x = jxs.diagnostics.cotangent_probe(x, "x")
+      ...     return jnp.sum(x * jnp.array([1e-9, 1.0]))
+      >>> report = jxs.diagnostics.cotangent_report(loss)(jnp.ones(2))
+      >>> print(jxs.diagnostics.cotangent_table(report))
       site  size  calls  zero%  flush%  subnorm%  over%  nonfin%  max|g|  headroom
       x        2      1   0.00   50.00      0.00   0.00     0.00       1     16.00
     """
@@ -556,7 +561,8 @@ def cotangent_table(report: dict[str, CotangentStats]) -> str:
     ):
         raise TypeError(
             "`report` must be the dict of jxs.diagnostics.CotangentStats that "
-            f"`jxs.diagnostics.cotangent_report(...)(...)` returns, got {type(report).__name__}."
+            "`jxs.diagnostics.cotangent_report(...)(...)` returns, got "
+            f"{type(report).__name__}."
         )
     host = jax.device_get(report)
     head = ["site", "size", "calls", "zero%", "flush%", "subnorm%", "over%"]

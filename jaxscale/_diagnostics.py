@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import _nnx
 from jaxscale._clip import overflow_safe_norm
-from jaxscale._composition import find_state, is_variable, unwrap_variable
-from jaxscale._hooks import flag_values, path_name
-from jaxscale._loss_scale import DynamicLossScale, LossScale
-from jaxscale._transform import DynamicScalingState, loss_scale_of
-from jaxscale._tree import is_float_leaf
+from jaxscale._composition import scaling_state_of, scaling_states
+from jaxscale._loss_scale import DynamicLossScale
+from jaxscale._state import LeafFlags, flag_values
+from jaxscale._tree import is_float_leaf, path_name
+from jaxscale._underflow import cast_masks, half_dtype, scale_value
 
 __all__ = [
     "UnderflowReport",
@@ -31,23 +30,6 @@ __all__ = [
 _F32 = jnp.float32
 # Powers of two a float32 loss scale can take and stay normal.
 _MIN_EXP, _MAX_EXP = -126, 127
-
-
-def _scaling_state_of(opt_state: Any, name: str = "opt_state") -> DynamicScalingState:
-    """Finds the one :class:`DynamicScalingState` in a nested optimizer state
-    (also in an ``nnx.State``, where ``nnx.split`` has turned it into a
-    mapping)."""
-    if _nnx.is_state(opt_state):
-        found = _nnx.scaling_states(opt_state)
-        if len(found) != 1:
-            raise ValueError(
-                f"`{name}` must hold exactly one jxs.dynamic_scaling state, got "
-                f"{len(found)} in this nnx.State. The state of a model alone "
-                "holds none: pass the state of `nnx.split((model, optimizer))` "
-                "or the `nnx.Optimizer`."
-            )
-        return jax.tree.map(unwrap_variable, found[0][1], is_leaf=is_variable)
-    return find_state(opt_state, DynamicScalingState, name)[1]
 
 
 def summary(opt_state: Any) -> dict[str, jax.Array]:
@@ -63,8 +45,6 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     * ``skipped_steps`` (``i32``): of which skipped for a non-finite gradient.
     * ``consecutive_skips`` (``i32``): length of the current run of skips.
     * ``last_step_finite`` (``bool``): whether the last step was applied.
-    * ``steps_at_floor`` (``i32``): consecutive steps ending with the scale at
-      its floor (``min_scale``); always 0 for a static scale.
     * ``loss_scale`` (``f32``): the scale for the next step.
     * ``growth_tracker``, ``hysteresis_tracker`` (``i32``): only for a
       :class:`DynamicLossScale`.
@@ -96,30 +76,28 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
       skipped_steps: 1
       consecutive_skips: 1
       last_step_finite: False
-      steps_at_floor: 0
       loss_scale: 32768.0
       growth_tracker: 0
       hysteresis_tracker: 1
       nonfinite_leaves: 1
     """
-    state = _scaling_state_of(opt_state)
+    state = scaling_state_of(opt_state)
     ls = state.loss_scale
     out = {
         "steps": state.steps,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
         "last_step_finite": state.last_step_finite,
-        "steps_at_floor": state.steps_at_floor,
         "loss_scale": ls.loss_scale,
     }
     if isinstance(ls, DynamicLossScale):
         out["growth_tracker"] = ls.growth_tracker
         out["hysteresis_tracker"] = ls.hysteresis_tracker
-    if state.nonfinite_leaves is not None:  # always, but in 0.1.0 states
-        count = state.steps - state.steps  # 0 on device: no transfer
-        for f in jax.tree.leaves(state.nonfinite_leaves):
-            count = count + jnp.sum(jnp.asarray(f).astype(jnp.int32))
-        out["nonfinite_leaves"] = count
+    count = state.steps - state.steps  # 0 on device: no transfer
+    flags = state.nonfinite_leaves.flags
+    if flags is not None:
+        count = count + jnp.sum(jnp.asarray(flags).astype(jnp.int32))
+    out["nonfinite_leaves"] = count
     return out
 
 
@@ -135,17 +113,17 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
 
     Args:
       flags_or_state: an optimizer state holding a
-        :class:`DynamicScalingState`, its ``nonfinite_leaves``, or a pytree of
-        ``bool[]`` flags.
+        :class:`DynamicScalingState` (any object ``summary`` takes), or its
+        ``nonfinite_leaves``.
 
     Returns:
       The names of the flagged leaves, in tree order (empty after a finite step).
 
     Raises:
-      ValueError: if the state holds no flags (a jaxscale 0.1.0 state built
-        without ``track_nonfinite=True``).
-      TypeError: if called on traced values (inside ``jit``), or if a flag is
-        not a boolean scalar.
+      ValueError: if the state holds several scaling states.
+      TypeError: if it holds none (a jaxscale 0.1.0 checkpoint: read it with
+        :func:`jaxscale.upgrade_checkpoint`), if called on traced values
+        (inside ``jit``), or if a flag is not a boolean.
 
     Examples:
       >>> import jaxscale as jxs
@@ -158,22 +136,15 @@ def nonfinite_paths(flags_or_state: Any) -> list[str]:
       ['dense/kernel']
     """
     flags = flags_or_state
-    holds_state = hasattr(flags_or_state, "opt_state") or any(
-        isinstance(x, DynamicScalingState)
-        for x in jax.tree.leaves(
-            flags_or_state, is_leaf=lambda x: isinstance(x, DynamicScalingState)
-        )
-    )
-    if holds_state:
-        state = _scaling_state_of(flags_or_state, "flags_or_state")
-        if state.nonfinite_leaves is None:
-            raise ValueError(
-                "`flags_or_state` holds no per-leaf flags (`nonfinite_leaves` is "
-                "None: a state from jaxscale 0.1.0). Restore the checkpoint into "
-                "`tx.init(params)` of this version, which always keeps the flags "
-                "(see the checkpointing guide)."
+    if not isinstance(flags, LeafFlags):
+        if not scaling_states(flags_or_state):
+            raise TypeError(
+                "`flags_or_state` must be an optimizer state holding a "
+                "jxs.DynamicScalingState (or its `nonfinite_leaves`), got "
+                f"{type(flags_or_state).__name__}. A checkpoint of jaxscale 0.1.0 "
+                "(a tree of flags, or none) is read with `jxs.upgrade_checkpoint`."
             )
-        flags = state.nonfinite_leaves
+        flags = scaling_state_of(flags_or_state, "flags_or_state").nonfinite_leaves
     out = []
     for name, f in flag_values(flags):
         if isinstance(f, jax.core.Tracer):
@@ -228,7 +199,8 @@ class UnderflowReport(NamedTuple):
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
-      >>> r = jxs.diagnostics.underflow_report({"w": jnp.array([1e-8, 2.0])}, jnp.float16)
+      >>> grads = {"w": jnp.array([1e-8, 2.0])}
+      >>> r = jxs.diagnostics.underflow_report(grads, jnp.float16)
       >>> float(r.zero_fraction_unscaled), float(r.headroom_log2) > 14
       (0.5, True)
       >>> isinstance(r, jxs.diagnostics.UnderflowReport)
@@ -246,56 +218,6 @@ class UnderflowReport(NamedTuple):
     headroom_log2: jax.Array
     init_scale_low: jax.Array
     init_scale_high: jax.Array
-
-
-def _half_dtype(dtype: Any) -> np.dtype:
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(
-            "`dtype` must be a floating dtype such as jnp.float16 or jnp.bfloat16, "
-            f"got {dtype!r}."
-        )
-    return dt
-
-
-def cast_masks(xf: jax.Array, dt: Any, scale: Any = None) -> tuple[jax.Array, ...]:
-    """Where float32 ``xf`` (times ``scale``) cast to ``dt`` is (zero, subnormal, inf).
-
-    Elements already zero, ``inf`` or ``NaN`` in ``xf`` never count as flushed to
-    zero or overflowed.
-    """
-    y = (xf if scale is None else xf * scale).astype(dt).astype(_F32)
-    candidate = (xf != 0) & jnp.isfinite(xf)
-    z = candidate & (y == 0)
-    sub = (y != 0) & (jnp.abs(y) < float(jnp.finfo(dt).smallest_normal))
-    over = candidate & ~jnp.isfinite(y)
-    return z, sub, over
-
-
-def _scale_value(loss_scale: Any) -> jax.Array:
-    if loss_scale is None:
-        return jnp.ones((), _F32)
-    if isinstance(loss_scale, bool):
-        raise TypeError(
-            f"`loss_scale` must be a number or a state, got {loss_scale!r}."
-        )
-    if isinstance(loss_scale, int | float | np.ndarray | np.generic | jax.Array):
-        s = jnp.asarray(loss_scale)
-        if s.shape != () or not (
-            jnp.issubdtype(s.dtype, jnp.floating)
-            or jnp.issubdtype(s.dtype, jnp.integer)
-        ):
-            raise TypeError(
-                "`loss_scale` must be a real scalar, a jxs.LossScale or an optimizer "
-                f"state holding one, got {s.dtype}{list(s.shape)}."
-            )
-        return s.astype(_F32)
-    if isinstance(loss_scale, LossScale):
-        return jnp.asarray(loss_scale.loss_scale, _F32)
-    return jnp.asarray(loss_scale_of(loss_scale).loss_scale, _F32)
 
 
 def _pow2_at_most(x: jax.Array, limit: float) -> jax.Array:
@@ -362,8 +284,8 @@ def underflow_report(
       >>> float(r.init_scale_low), float(r.init_scale_high)
       (65536.0, 32768.0)
     """
-    dt = _half_dtype(dtype)
-    scale = _scale_value(loss_scale)
+    dt = half_dtype(dtype)
+    scale = scale_value(loss_scale)
     info = jnp.finfo(dt)
     tiny, big = float(info.smallest_normal), float(info.max)
 

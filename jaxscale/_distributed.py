@@ -18,9 +18,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxscale._jax_private import mark_varying, varying_axes
+
 __all__ = [
     "AxisName",
-    "all_replicas_finite",
     "any_replica",
     "check_axis_name",
     "match_varying",
@@ -56,17 +57,6 @@ def _explain_unbound(axis_name: AxisName, err: NameError) -> NameError:
     )
 
 
-def all_replicas_finite(finite: jax.Array, axis_name: AxisName) -> jax.Array:
-    """``bool[]``: ``finite`` on every member of the ``axis_name`` axis.
-
-    One scalar ``pmin`` over the axis: every replica gets the same answer.
-    """
-    try:
-        return lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-    except NameError as err:
-        raise _explain_unbound(axis_name, err) from None
-
-
 def any_replica(flags: Any, axis_name: AxisName) -> Any:
     """Boolean flags (any pytree of them) or-ed over the ``axis_name`` axis."""
     try:
@@ -78,23 +68,14 @@ def any_replica(flags: Any, axis_name: AxisName) -> Any:
         raise _explain_unbound(axis_name, err) from None
 
 
-def _varying_axes(aval: Any) -> tuple[str, ...]:
-    """The ``shard_map`` axes along which a value (or its type) varies."""
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    axes = manual.varying if manual is not None else getattr(aval, "vma", ())
-    return tuple(sorted(axes or ()))
-
-
 def match_varying(x: jax.Array, like: Any) -> jax.Array:
     """``x`` marked as varying over the same ``shard_map`` axes as ``like`` (an
     array or a ``jax.ShapeDtypeStruct``), so both branches of a ``lax.cond``
     have the same type; ``x`` itself outside ``shard_map``."""
-    missing = tuple(a for a in _varying_axes(like) if a not in _varying_axes(x))
+    missing = tuple(a for a in varying_axes(like) if a not in varying_axes(x))
     if not missing:
         return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # jax < 0.10
+    return mark_varying(x, missing)
 
 
 def _replicated_sharding(params: Any) -> NamedSharding | None:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._args import check_int
 from jaxscale._tree import compute_dtype, is_float_leaf
 
 __all__ = [
@@ -76,15 +77,6 @@ def _as_f32(name: str, value: Any) -> float:
     return y
 
 
-def _positive_int(name: str, value: Any, rule: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int, got {value!r}.")
-    value = int(value)
-    if not 1 <= value <= np.iinfo(np.int32).max:
-        raise ValueError(f"`{name}` must be {rule}, got {value}.")
-    return value
-
-
 def _check_scale_bounds(
     init: float, min_scale: float, max_scale: float, given_min: Any
 ) -> None:
@@ -121,7 +113,7 @@ def _as_bool_scalar(name: str, value: jax.typing.ArrayLike) -> jax.Array:
 # --------------------------------------------------------------------------- #
 
 
-def _scale_tree(tree: Any, scale: jax.Array) -> Any:
+def scale_tree(tree: Any, scale: jax.Array) -> Any:
     def leaf(x):
         if not is_float_leaf(x):
             return x
@@ -203,7 +195,7 @@ class LossScale(abc.ABC):
           >>> jxs.StaticLossScale.create(8.0).scale(jnp.float32(0.5))
           Array(4., dtype=float32)
         """
-        return _scale_tree(tree, self.loss_scale)
+        return scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: Any) -> Any:
         """Divides every floating leaf of ``tree`` by the loss scale.
@@ -238,6 +230,24 @@ class LossScale(abc.ABC):
     def adjust(self, grads_finite: jax.typing.ArrayLike) -> LossScale:
         """Returns the state for the next step, given whether this step's
         unscaled gradients were all finite (``bool[]``)."""
+
+    #: The smallest scale :meth:`adjust` can reach, or ``None`` for a scale that
+    #: never changes (static, no-op). ``jxs.diagnostics.monitor`` reads it.
+    floor: float | None = None
+
+    def at_floor(self) -> jax.Array:
+        """``bool[]``: whether the scale sits at its :attr:`floor` (always false
+        for a scale without one).
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> ls = jxs.DynamicLossScale.create(init_scale=2.0, min_scale=1.0)
+          >>> bool(ls.at_floor()), bool(ls.adjust(False).at_floor())
+          (False, True)
+        """
+        if self.floor is None:
+            return jnp.zeros((), jnp.bool_)
+        return self.loss_scale <= jnp.float32(self.floor)
 
 
 @final
@@ -497,8 +507,8 @@ class DynamicLossScale(LossScale):
                 f"`backoff_factor` must be in (0, 1) (in float32), got "
                 f"{backoff_factor!r}."
             )
-        interval = _positive_int("growth_interval", growth_interval, ">= 1")
-        hyst = _positive_int("hysteresis", hysteresis, ">= 1")
+        interval = check_int("growth_interval", growth_interval)
+        hyst = check_int("hysteresis", hysteresis)
         lo = _as_f32("min_scale", min_scale)
         # ``inf`` is how torch users say "no ceiling": the largest finite
         # float32, which is the ceiling anyway (a growth to inf is dropped).
@@ -517,6 +527,11 @@ class DynamicLossScale(LossScale):
             min_scale=lo,
             max_scale=hi,
         )
+
+    @property
+    def floor(self) -> float:  # type: ignore[override]
+        """``min_scale``: backing off never goes below it."""
+        return self.min_scale
 
     def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
         """Returns the next state after a step (see the class docstring's rule).

@@ -14,6 +14,12 @@ afterwards, as ``nnx.value_and_grad`` does. The functional form lets
 :func:`jaxscale.accumulate_value_and_grad` carry the rest through its
 ``lax.scan`` over micro-batches.
 
+This module is the one home of every NNX question (is this a module, a
+variable, an ``nnx.State``; unwrap; split, merge and write back), on the ground
+floor: it imports nothing of jaxscale. Differentiation is handed in by the
+caller (:meth:`NnxArgs.grad_call` takes the ``value_and_grad`` to use), as the
+autocast interpreter is handed its higher-order handlers.
+
 Nothing here imports Flax unless an argument is an NNX object.
 """
 
@@ -21,19 +27,21 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
 __all__ = [
     "NnxArgs",
+    "argnum_tuple",
     "default_wrt",
     "explain_trace_errors",
     "has_objects",
     "is_object",
     "is_state",
-    "scaling_states",
+    "is_variable",
+    "unwrap",
     "write_back",
 ]
 
@@ -58,6 +66,28 @@ def is_state(x: Any) -> bool:
     """Whether ``x`` is an ``nnx.State`` (what ``nnx.split`` returns)."""
     nnx = _nnx()
     return nnx is not None and isinstance(x, nnx.State)
+
+
+def _variable_types(nnx: Any) -> tuple[type, ...]:
+    # flax 0.11 (the declared floor) splits into ``nnx.VariableState`` leaves,
+    # a class of its own; flax >= 0.12 keeps ``nnx.Variable`` and turns the old
+    # name into a deprecated alias (read ``vars`` so as not to trigger it).
+    legacy = vars(nnx).get("VariableState")
+    return (nnx.Variable,) if legacy is None else (nnx.Variable, legacy)
+
+
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is a Flax NNX variable (``nnx.Param``, ``nnx.OptArray``,
+    flax 0.11's ``VariableState``...): a leaf that wraps one array."""
+    nnx = _nnx()
+    return nnx is not None and isinstance(x, _variable_types(nnx))
+
+
+def unwrap(x: Any) -> Any:
+    """The array inside an NNX variable; anything else unchanged."""
+    if not is_variable(x):
+        return x
+    return x.get_value() if hasattr(x, "get_value") else x.value  # flax 0.11
 
 
 def has_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -113,7 +143,8 @@ def default_wrt(holder: Any) -> Any:
     return wrt if wrt is not None else nnx.Param
 
 
-def _argnum_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+def argnum_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    """``argnums`` as a tuple, as JAX accepts it (an int or a sequence)."""
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
@@ -137,7 +168,7 @@ class NnxArgs:
         from flax import nnx
 
         self.argnums = argnums
-        diff = _argnum_tuple(argnums)
+        diff = argnum_tuple(argnums)
         self.positions = tuple(i for i, x in enumerate(args) if is_object(x))
         self.names = tuple(sorted(k for k, v in kwargs.items() if is_object(v)))
         diff_objects = tuple(i for i in diff if i in self.positions)
@@ -189,9 +220,14 @@ class NnxArgs:
         return f
 
     def grad_call(
-        self, fun: Callable[..., Any], loss_scale: Any, has_aux: bool
+        self,
+        value_and_grad: Callable[..., Callable[..., Any]],
+        fun: Callable[..., Any],
+        has_aux: bool,
     ) -> tuple[Callable[..., Any], Any, Callable[..., Any]]:
-        """``(call, rest, finish)`` for the scaled loss of ``fun``.
+        """``(call, rest, finish)`` for the loss ``fun``, differentiated by
+        ``value_and_grad(f, argnums=..., has_aux=True)`` (the caller's: e.g.
+        the scaled-loss gradient of ``jxs.value_and_grad``).
 
         ``call(args, kwargs, rest) -> (out, grads, new_rest)`` differentiates
         the scaled loss with the objects' other state given as ``rest`` (so a
@@ -199,8 +235,6 @@ class NnxArgs:
         ``finish(grads, rest)`` writes the final ``rest`` back into the
         objects and shapes the gradients as ``argnums`` asks.
         """
-        from jaxscale._transform import value_and_grad
-
         pure = self.pure(fun)
 
         def pure_aux(params, rest, *a, **kw):
@@ -214,7 +248,7 @@ class NnxArgs:
             argnums = self.argnums + 2
         else:
             argnums = tuple(i + 2 for i in self.argnums)
-        vg = value_and_grad(pure_aux, loss_scale, argnums=argnums, has_aux=True)
+        vg = value_and_grad(pure_aux, argnums=argnums, has_aux=True)
 
         def call(args, kwargs, rest):
             args = [None if i in self.positions else x for i, x in enumerate(args)]
@@ -235,85 +269,9 @@ class NnxArgs:
         return call, self.rest, finish
 
 
-# --------------------------------------------------------------------------- #
-# nnx.State: what a functional NNX loop carries and checkpoints.
-# --------------------------------------------------------------------------- #
-
-# The keys that make a mapping in an ``nnx.State`` a split DynamicScalingState.
-_SCALING_KEYS = frozenset({"steps", "skipped_steps", "consecutive_skips"})
-_I32_MAX = 2**31 - 1
-
-
-def scaling_states(state: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """``(key path, DynamicScalingState)`` for each split scaling state in an
-    ``nnx.State``, with the State's own variables as leaves.
-
-    ``nnx.split`` keeps the arrays of the state and moves its static parts into
-    the GraphDef: the NamedTuple becomes a mapping by field name, and the loss
-    scale's configuration (``growth_interval``, ``min_scale``...) is gone. The
-    loss scale comes back as the kind its fields show, with the widest
-    configuration the library allows (``min_scale`` the smallest normal
-    float32, ``growth_interval`` and ``hysteresis`` the int32 maximum).
-    """
-    from jaxscale._loss_scale import (
-        DEFAULT_MAX_SCALE,
-        DEFAULT_MIN_SCALE,
-        DynamicLossScale,
-        NoOpLossScale,
-        StaticLossScale,
-    )
-    from jaxscale._transform import DynamicScalingState
-
-    def loss_scale(node: Any) -> Any:
-        keys = set(node) if isinstance(node, Mapping) else set()
-        if {"loss_scale", "growth_tracker", "hysteresis_tracker"} <= keys:
-            return DynamicLossScale(
-                loss_scale=node["loss_scale"],
-                growth_tracker=node["growth_tracker"],
-                hysteresis_tracker=node["hysteresis_tracker"],
-                growth_interval=_I32_MAX,
-                hysteresis=_I32_MAX,
-                min_scale=DEFAULT_MIN_SCALE,
-                max_scale=DEFAULT_MAX_SCALE,
-            )
-        if "loss_scale" in keys:
-            return StaticLossScale(loss_scale=node["loss_scale"])
-        return NoOpLossScale()
-
-    found = []
-
-    def walk(path: tuple[Any, ...], node: Any) -> None:
-        if not isinstance(node, Mapping):
-            return
-        if _SCALING_KEYS <= set(node) and "last_step_finite" in node:
-            found.append(
-                (
-                    path,
-                    DynamicScalingState(
-                        loss_scale=loss_scale(node.get("loss_scale")),
-                        inner_state=node.get("inner_state"),
-                        steps=node["steps"],
-                        skipped_steps=node["skipped_steps"],
-                        consecutive_skips=node["consecutive_skips"],
-                        last_step_finite=node["last_step_finite"],
-                        steps_at_floor=node.get("steps_at_floor"),
-                        nonfinite_leaves=node.get("nonfinite_leaves"),
-                    ),
-                )
-            )
-            return
-        for key, value in node.items():
-            walk((*path, jax.tree_util.DictKey(key)), value)
-
-    walk((), state)
-    return found
-
-
 def write_back(variables: Any, old: Any, new: Any) -> None:
     """Sets each NNX variable of ``variables`` whose unwrapped value ``old``
     became another array in ``new`` (trees of the same structure)."""
-    from jaxscale._composition import is_variable
-
     flat_vars = jax.tree.leaves(variables, is_leaf=is_variable)
     for var, a, b in zip(
         flat_vars, jax.tree.leaves(old), jax.tree.leaves(new), strict=True

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from jaxscale import _nnx
+
 __all__ = ["check_updates_match_params", "explain_structure_errors"]
 
 _MAX_PATHS = 5
@@ -28,13 +30,8 @@ _TREE_ERRORS = (
 )
 
 
-def _is_wrapper(x: Any) -> bool:
-    """Flax NNX variables (``nnx.Param``, ``OptArray``) count as leaves."""
-    return type(x).__module__.startswith("flax.nnx") and hasattr(x, "get_value")
-
-
 def _paths(tree: Any) -> dict[str, Any]:
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_wrapper)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_nnx.is_variable)
     return {jax.tree_util.keystr(p): x for p, x in leaves}
 
 
@@ -45,8 +42,7 @@ def _some(paths: list[str]) -> str:
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
-    if _is_wrapper(x):
-        x = x.get_value()
+    x = _nnx.unwrap(x)
     shape = getattr(x, "shape", None)
     if shape is None and isinstance(x, bool | int | float | complex):
         return ()
@@ -61,8 +57,8 @@ def check_updates_match_params(updates: Any, params: Any) -> None:
     """
     if params is None:
         return
-    su = jax.tree.structure(updates, is_leaf=_is_wrapper)
-    sp = jax.tree.structure(params, is_leaf=_is_wrapper)
+    su = jax.tree.structure(updates, is_leaf=_nnx.is_variable)
+    sp = jax.tree.structure(params, is_leaf=_nnx.is_variable)
     if su != sp:
         pu, pp = _paths(updates), _paths(params)
         only_u = [p for p in pu if p not in pp]
@@ -81,8 +77,8 @@ def check_updates_match_params(updates: Any, params: Any) -> None:
         )
     bad = []
     for (path, u), p in zip(
-        jax.tree_util.tree_leaves_with_path(updates, is_leaf=_is_wrapper),
-        jax.tree.leaves(params, is_leaf=_is_wrapper),
+        jax.tree_util.tree_leaves_with_path(updates, is_leaf=_nnx.is_variable),
+        jax.tree.leaves(params, is_leaf=_nnx.is_variable),
         strict=True,
     ):
         shape_u, shape_p = _shape(u), _shape(p)

@@ -10,12 +10,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._grad import loss_scale_of
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
     DynamicLossScale,
 )
-from jaxscale._transform import loss_scale_of
 
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 

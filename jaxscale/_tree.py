@@ -12,9 +12,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_finite", "compute_dtype", "is_float_leaf", "select_tree", "widen"]
+__all__ = [
+    "ROOT_NAME",
+    "all_finite",
+    "compute_dtype",
+    "is_float_leaf",
+    "leaf_names",
+    "path_name",
+    "select_tree",
+    "widen",
+]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+
+#: Name of the single leaf of a tree that is just one array.
+ROOT_NAME = "<root>"
+
+
+def path_name(path: Any) -> str:
+    """A readable name for a key path: ``"dense/kernel"``, ``"layers/0/w"``."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or ROOT_NAME
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """The :func:`path_name` of every leaf of ``tree``, in flattening order."""
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def is_float_leaf(x: Any) -> bool:
@@ -115,7 +137,13 @@ def saturating_increment(x: jax.Array) -> jax.Array:
 
 
 def compute_dtype(dtype: Any) -> Any:
-    """float64 for float64 leaves, float32 for every other float dtype."""
+    """float64 for float64 leaves, float32 for every other float dtype.
+
+    Also for several leaves at once: ``compute_dtype([x.dtype for x in leaves])``
+    is float64 if any of them is (float32 for none).
+    """
+    if isinstance(dtype, list | tuple):
+        return jnp.float64 if any(d == jnp.float64 for d in dtype) else jnp.float32
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 

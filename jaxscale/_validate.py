@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -16,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import _nnx
-from jaxscale._composition import is_variable, unwrap_variable
-from jaxscale._hooks import LeafFlags
+from jaxscale._composition import scaling_states
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
@@ -26,13 +24,12 @@ from jaxscale._loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
-from jaxscale._transform import DynamicScalingState
+from jaxscale._state import DynamicScalingState, LeafFlags
 
 __all__ = ["validate_state"]
 
 _I32 = np.iinfo(np.int32)
 _COUNTERS = ("steps", "skipped_steps", "consecutive_skips")
-_DIAGNOSTIC_COUNTERS = ("steps_at_floor",)
 
 
 class _Checker:
@@ -225,75 +222,42 @@ def _validate_scaling_state(state: DynamicScalingState, c: _Checker) -> Any:
         if changed:
             updates[field] = jnp.asarray(x, jnp.int32)
         upper, upper_name = x, field
-    # Diagnostics counters (present in newer states): each in [0, steps].
-    steps = int(updates.get("steps", np.asarray(state.steps)))
-    for field in _DIAGNOSTIC_COUNTERS:
-        if getattr(state, field, None) is None:
-            continue
-        rule = f"in [0, steps] = [0, {steps}]"
-        x, changed = _check_int(c, field, getattr(state, field), 0, steps, rule)
-        if changed:
-            updates[field] = jnp.asarray(x, jnp.int32)
-    flags = getattr(state, "nonfinite_leaves", None)
-    if flags is not None:
-        updates.update(_check_flags(c, flags))
-    last, cast = c.scalar("last_step_finite", state.last_step_finite, np.bool_)
-    expected = upper == 0  # consecutive_skips == 0
-    if cast or last != expected:
-        if last != expected:
-            c.fix(
-                "last_step_finite",
-                f"`consecutive_skips == 0` (= {expected})",
-                last,
-                expected,
-            )
-        updates["last_step_finite"] = jnp.asarray(expected, jnp.bool_)
+    updates.update(_check_flags(c, state.nonfinite_leaves))
     return state._replace(**updates) if updates else state
 
 
 def _check_flags(c: _Checker, flags: Any) -> dict[str, Any]:
-    """``nonfinite_leaves``: one ``bool[n]`` array (or a ``bool[]`` flag per
-    gradient leaf, as a restored tree may hold them)."""
-    packed = isinstance(flags, LeafFlags)
-    if packed or (isinstance(flags, Mapping) and set(flags.keys()) == {"flags"}):
-        # One bool[n] array; a dict {"flags": ...} in an ``nnx.State``.
-        value = flags.flags if packed else unwrap_variable(flags["flags"])
-        if value is None:  # no gradient leaves
-            return {}
-        if isinstance(value, jax.core.Tracer):
-            c.scalar("nonfinite_leaves.flags", value, np.bool_)  # raises
-        arr = np.asarray(value)
-        want = (len(flags.names),) if packed else arr.shape[:1]
-        if arr.shape != want or arr.ndim != 1:
-            c.fail(
-                "nonfinite_leaves.flags",
-                f"bool{list(want)} (one flag per gradient leaf)",
-                f"{arr.dtype.name}{list(arr.shape)}",
-                fixable=False,
-            )
-        if arr.dtype == np.bool_:
-            return {}
-        fixed = np.zeros(want, np.bool_)
-        if arr.dtype.kind in "biu" and ((arr == 0) | (arr == 1)).all():
-            fixed = arr.astype(np.bool_)
-        c.fix("nonfinite_leaves.flags", "bool", arr.dtype.name, "bool")
-        fixed = jnp.asarray(fixed)
-        return {
-            "nonfinite_leaves": LeafFlags(fixed, flags.names)
-            if packed
-            else {"flags": fixed}
-        }
-    changed = False
-
-    def leaf(path: Any, x: Any) -> Any:
-        nonlocal changed
-        field = f"nonfinite_leaves{jax.tree_util.keystr(path)}"
-        value, cast = c.scalar(field, x, np.bool_)
-        changed |= cast
-        return jnp.asarray(value, jnp.bool_) if cast else x
-
-    out = jax.tree_util.tree_map_with_path(leaf, flags)
-    return {"nonfinite_leaves": out} if changed else {}
+    """``nonfinite_leaves``: :class:`LeafFlags`, one ``bool[n]`` array. (Other
+    layouts, 0.1.0's, are converted by ``jxs.upgrade_checkpoint`` on restore.)"""
+    if not isinstance(flags, LeafFlags):
+        c.fail(
+            "nonfinite_leaves",
+            "a LeafFlags (restore a jaxscale 0.1.0 or 0.2.0 checkpoint with "
+            "`jxs.upgrade_checkpoint`)",
+            type(flags).__name__,
+            fixable=False,
+        )
+    value = flags.flags
+    if value is None:  # no gradient leaves
+        return {}
+    if isinstance(value, jax.core.Tracer):
+        c.scalar("nonfinite_leaves.flags", value, np.bool_)  # raises
+    arr = np.asarray(value)
+    want = (len(flags.names),)
+    if arr.shape != want:
+        c.fail(
+            "nonfinite_leaves.flags",
+            f"bool{list(want)} (one flag per gradient leaf)",
+            f"{arr.dtype.name}{list(arr.shape)}",
+            fixable=False,
+        )
+    if arr.dtype == np.bool_:
+        return {}
+    fixed = np.zeros(want, np.bool_)
+    if arr.dtype.kind in "biu" and ((arr == 0) | (arr == 1)).all():
+        fixed = arr.astype(np.bool_)
+    c.fix("nonfinite_leaves.flags", "bool", arr.dtype.name, "bool")
+    return {"nonfinite_leaves": LeafFlags(jnp.asarray(fixed), flags.names)}
 
 
 def _is_ours(x: Any) -> bool:
@@ -307,18 +271,6 @@ _STATE_NOTE = (
 )
 
 
-def _nodes(obj: Any) -> list[tuple[Any, Any]]:
-    """``(key path, node)`` of the jaxscale states in an NNX object's
-    ``opt_state``, with its variables as leaves."""
-    if not hasattr(obj, "opt_state"):
-        return []
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        obj.opt_state, is_leaf=lambda x: _is_ours(x) or is_variable(x)
-    )
-    key = jax.tree_util.GetAttrKey("opt_state")
-    return [((key, *p), x) for p, x in flat if _is_ours(x)]
-
-
 def validate_state(state: Any, *, repair: bool = False) -> Any:
     """Checks a restored jaxscale state against its configuration, on the host.
 
@@ -330,7 +282,7 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
     ``ValueError``:
 
     * shapes and dtypes: every leaf a scalar; ``loss_scale`` ``f32[]``; trackers
-      and counters ``i32[]``; ``last_step_finite`` ``bool[]`` (a float64 scale or
+      and counters ``i32[]``; the per-leaf flags ``bool[n]`` (a float64 scale or
       an int64 tracker from a foreign checkpoint is rejected);
     * ``loss_scale``: finite, > 0, and in ``[min_scale, max_scale]`` (so never 0,
       subnormal or inf; :class:`StaticLossScale`: in ``[2**-126, float32 max]``);
@@ -338,9 +290,8 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
       ``[1, hysteresis]`` (a checkpoint written under another configuration can
       break these: the configuration comes from your code, the values from the
       checkpoint);
-    * counters: ``0 <= consecutive_skips <= skipped_steps <= steps``,
-      ``0 <= steps_at_floor <= steps``, ``last_step_finite == (consecutive_skips
-      == 0)``, and every ``nonfinite_leaves`` flag (if tracked) ``bool[]``.
+    * counters: ``0 <= consecutive_skips <= skipped_steps <= steps``, and
+      ``nonfinite_leaves`` one ``bool`` flag per gradient leaf.
 
     With ``repair=True`` these documented repairs are made instead, each reported
     in one ``UserWarning``:
@@ -352,8 +303,8 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
     * ``growth_tracker`` is clamped into ``[0, growth_interval - 1]``: a tracker
       at or beyond the interval grows the scale on the next finite step, which is
       what :meth:`DynamicLossScale.adjust` does with it anyway;
-    * ``hysteresis_tracker`` and the counters are clamped into their ranges, and
-      ``last_step_finite`` is recomputed from ``consecutive_skips``.
+    * ``hysteresis_tracker`` and the counters are clamped into their ranges;
+      integral flags (0 or 1) are cast to ``bool``.
 
     Never repaired (a ``ValueError`` even with ``repair=True``): a NaN, zero or
     negative scale, a non-scalar leaf, and a value that does not fit its dtype.
@@ -417,9 +368,9 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
             if isinstance(node, DynamicScalingState)
             else _validate_loss_scale
         )
-        held = jax.tree.leaves(node, is_leaf=is_variable)
-        if in_place or any(map(is_variable, held)):  # NNX: repaired in place
-            old = jax.tree.map(unwrap_variable, node, is_leaf=is_variable)
+        held = jax.tree.leaves(node, is_leaf=_nnx.is_variable)
+        if in_place or any(map(_nnx.is_variable, held)):  # NNX: repaired in place
+            old = jax.tree.map(_nnx.unwrap, node, is_leaf=_nnx.is_variable)
             _nnx.write_back(node, old, validate(old, c))
             out = node
         else:
@@ -428,12 +379,13 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
         return out
 
     if _nnx.is_state(state):
-        for path, node in _nnx.scaling_states(state):
+        for path, node in scaling_states(state):
             check(path, node, _STATE_NOTE, in_place=True)
         out = state
-    elif _nnx.is_object(state):  # an nnx.Optimizer
-        for path, node in _nodes(state):
-            check(path, node)
+    elif _nnx.is_object(state):  # an nnx.Optimizer: its variables, in place
+        key = jax.tree_util.GetAttrKey("opt_state")
+        for path, node in scaling_states(state):
+            check((key, *path), node)
         out = state
     elif _is_ours(state):
         out = check((), state)

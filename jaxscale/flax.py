@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax.training import train_state
 
+from jaxscale import _nnx
 from jaxscale._accumulate import AccumulateState
 from jaxscale._checkpoint import register_flax_serialization
-from jaxscale._transform import DynamicScalingState, _is_variable, _unwrap_variable
+from jaxscale._composition import scaling_state_of, scaling_states
 from jaxscale._tree import all_finite, select_tree
 
 __all__ = [
@@ -39,28 +40,6 @@ __all__ = [
 # Importing this module means Flax is in use: teach flax.serialization the loss
 # scales now (idempotent; the function stays public for explicit calls).
 register_flax_serialization()
-
-
-def _scaling_states(opt_state: Any) -> list[DynamicScalingState]:
-    return [
-        x
-        for x in jax.tree.leaves(
-            opt_state,
-            is_leaf=lambda x: isinstance(x, DynamicScalingState) or _is_variable(x),
-        )
-        if isinstance(x, DynamicScalingState)
-    ]
-
-
-def _one_scaling_state(opt_state: Any, name: str) -> DynamicScalingState:
-    found = _scaling_states(opt_state)
-    if len(found) != 1:
-        raise ValueError(
-            f"`{name}` must contain exactly one jxs.DynamicScalingState (build the "
-            "optimizer with `jxs.dynamic_scaling(inner)`, optionally inside "
-            f"`jxs.accumulate`), got {len(found)}."
-        )
-    return jax.tree.map(_unwrap_variable, found[0], is_leaf=_is_variable)
 
 
 def update_applied(old_opt_state: Any, new_opt_state: Any) -> jax.Array:
@@ -94,8 +73,8 @@ def update_applied(old_opt_state: Any, new_opt_state: Any) -> jax.Array:
       >>> jxf.update_applied(s0, s1), jxf.update_applied(s1, s2)
       (Array(True, dtype=bool), Array(False, dtype=bool))
     """
-    old = _one_scaling_state(old_opt_state, "old_opt_state")
-    new = _one_scaling_state(new_opt_state, "new_opt_state")
+    old = scaling_state_of(old_opt_state, "old_opt_state")
+    new = scaling_state_of(new_opt_state, "new_opt_state")
     return (new.steps != old.steps) & new.last_step_finite
 
 
@@ -106,7 +85,9 @@ def _accumulates(opt_state: Any) -> bool:
     return any(
         map(
             is_acc,
-            jax.tree.leaves(opt_state, is_leaf=lambda x: is_acc(x) or _is_variable(x)),
+            jax.tree.leaves(
+                opt_state, is_leaf=lambda x: is_acc(x) or _nnx.is_variable(x)
+            ),
         )
     )
 
@@ -120,8 +101,8 @@ def _keep_old(old_opt_state: Any, new_opt_state: Any, new_values: Any) -> jax.Ar
     ``new_values`` are not all finite, so that each micro-batch still updates
     the statistics but an overflowing one cannot poison them.
     """
-    old = _one_scaling_state(old_opt_state, "old_opt_state")
-    new = _one_scaling_state(new_opt_state, "new_opt_state")
+    old = scaling_state_of(old_opt_state, "old_opt_state")
+    new = scaling_state_of(new_opt_state, "new_opt_state")
     skipped = jnp.logical_not(new.last_step_finite)
     if not _accumulates(new_opt_state):
         return skipped
@@ -240,7 +221,7 @@ class TrainState(train_state.TrainState):
           Array(65536., dtype=float32)
         """
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-        found = _scaling_states(state.opt_state)
+        found = scaling_states(state.opt_state)
         if len(found) != 1:
             raise ValueError(
                 "`tx` must contain exactly one jxs.dynamic_scaling (e.g. "
@@ -308,8 +289,8 @@ def keep_on_skip(model: Any, optimizer: Any, *filters: Any) -> Iterator[None]:
     # Detached copies: nnx.state returns the model's own variables, and the
     # optimizer's variables are updated in place.
     before = jax.tree.map(lambda x: x, nnx.state(model, *filters))
-    old_opt_state = jax.tree.map(_unwrap_variable, opt_state, is_leaf=_is_variable)
-    _one_scaling_state(old_opt_state, "optimizer")
+    old_opt_state = jax.tree.map(_nnx.unwrap, opt_state, is_leaf=_nnx.is_variable)
+    scaling_state_of(old_opt_state, "optimizer")
     yield
     new_opt_state = getattr(optimizer, "opt_state", optimizer)
     after = _matching(nnx.state(model), before)

@@ -1,24 +1,41 @@
-"""Strict modes for the whole suite, as equinox's tests do.
+"""Strict modes and test tiers for the whole suite, as equinox's tests do.
 
 * ``jax_numpy_dtype_promotion="strict"``: jaxscale must never rely on implicit
   promotion (e.g. turning f16 leaves into f32). Some optax optimizers (adam,
-  adafactor) promote implicitly themselves; tests wrap those in :func:`relaxed`,
-  which relaxes promotion *only* while tracing the inner optimizer.
+  adafactor) promote implicitly themselves; tests wrap those in
+  ``helpers.relaxed``, which relaxes promotion *only* while tracing the inner
+  optimizer.
 * ``jax_numpy_rank_promotion="raise"``.
 * 8 CPU devices, so multi-device code is tested on one machine.
+* Every test has exactly one tier marker (``unit``, ``core`` or ``integration``,
+  see ``[tool.pytest.ini_options]`` in pyproject.toml); collection fails
+  otherwise. Doctests of ``jaxscale/`` are ``unit``. ``pytest -m unit`` is the
+  edit-test loop; ``.ci/floors`` runs ``-m "unit or core"``.
+
+Shared helper functions live in ``helpers.py``; fixtures live here.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 
 import jax
-import optax
 import pytest
+from _pytest.doctest import DoctestItem
+from _pytest.mark.expression import Expression
+from helpers import relaxed
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+TIERS = ("unit", "core", "integration")
+# A whole file in one tier says so on one line, which pytest_ignore_collect reads
+# without importing the file.
+_FILE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(\w+)$", re.M)
+_MARK = re.compile(r"pytest\.mark\.(\w+)")
 
 
 def pytest_addoption(parser):
@@ -27,28 +44,93 @@ def pytest_addoption(parser):
     )
 
 
+def _may_select(markexpr: str, source: str) -> bool:
+    """Whether ``-m markexpr`` can select a test of a file with this source.
+
+    Its markers can only be those the source names (``pytest.mark.<name>``), and
+    its tier is the module-level ``pytestmark`` if the file has one. Doctests
+    (any ``.py`` file that is not a ``test_*.py``) are ``unit``. Every other
+    combination of the named markers is tried, so this errs on the side of
+    collecting.
+    """
+    named = set(_MARK.findall(source))
+    whole = _FILE_TIER.search(source)
+    if whole and whole.group(1) in TIERS:
+        fixed = {t: t == whole.group(1) for t in TIERS}
+    else:
+        fixed = {}
+    idents = set(re.split(r"[\s()]+", markexpr)) - {"", "and", "or", "not"}
+    names = sorted(n for n in idents if n in named and n not in fixed)
+    if len(names) > 10:
+        return True
+    expr = Expression.compile(markexpr)
+    for values in itertools.product((False, True), repeat=len(names)):
+        matcher = _Marks({**fixed, **dict(zip(names, values, strict=True))})
+        if expr.evaluate(matcher):
+            return True
+    return False
+
+
+class _Marks:
+    """A ``-m`` matcher: markers not in ``marks`` are absent."""
+
+    def __init__(self, marks: dict[str, bool]):
+        self.marks = marks
+
+    def __call__(self, name: str, /, **kwargs) -> bool:
+        return self.marks.get(name, False) and not (kwargs and name in TIERS)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m``, skip importing a file that cannot hold a selected test
+    (``pytest -m unit`` imports neither torch nor hypothesis)."""
+    markexpr = config.getoption("markexpr", "")
+    if not markexpr or collection_path.suffix != ".py":
+        return None
+    if collection_path.name.startswith("test_"):
+        source = collection_path.read_text()
+    else:  # helpers, data scripts: doctests only
+        source = "pytestmark = pytest.mark.unit\n"
+    return None if _may_select(markexpr, source) else True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A file under tests/ whose tests do not have exactly one tier each fails to
+    collect (doctests are ``unit``)."""
+    report = yield
+    wrong = []
+    for item in report.result if report.passed else []:
+        if isinstance(item, DoctestItem):
+            item.add_marker(pytest.mark.unit)
+        if isinstance(item, pytest.Item):
+            tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+            if len(tiers) != 1:
+                wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if wrong:
+        report.outcome, report.result = "failed", []
+        report.longrepr = (
+            f"{len(wrong)} test(s) without exactly one tier marker:\n"
+            + "\n".join(wrong)
+            + "\nMark each test (or the file, with a module-level `pytestmark = "
+            "pytest.mark.unit`) with exactly one of "
+            + ", ".join(f"`{t}`" for t in TIERS)
+            + "; pyproject.toml [tool.pytest.ini_options] says which is which."
+        )
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # jaxscale/'s doctests, which the hook above does not see
+        if isinstance(item, DoctestItem) and not item.get_closest_marker("unit"):
+            item.add_marker(pytest.mark.unit)
     if config.getoption("--runslow") or os.environ.get("JAXSCALE_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: pass --runslow or set JAXSCALE_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``inner`` traced under standard dtype promotion (optax's own code needs it)."""
-    inner = optax.with_extra_args_support(inner)
-
-    def init(params):
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.init(params)
-
-    def update(updates, state, params=None, **extra):
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 from jaxscale.testing import assert_bit_identical
+
+pytestmark = pytest.mark.core
 
 
 def init_params(seed=0):
@@ -68,6 +70,7 @@ def counting():
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("fn", [loss_fn_f32, loss_fn], ids=["f32", "f16compute"])
+@pytest.mark.isa
 def test_microbatches_equal_one_large_batch(k, fn):
     params, batch = init_params(), make_batch(32)
     ls = jxs.StaticLossScale.create(2.0**10)
@@ -84,6 +87,7 @@ def test_microbatches_equal_one_large_batch(k, fn):
         )
 
 
+@pytest.mark.isa
 def test_presplit_leading_axis_equals_num_microbatches():
     params, (x, y) = init_params(), make_batch(24)
     ls = jxs.StaticLossScale.create(8.0)
@@ -93,6 +97,7 @@ def test_presplit_leading_axis_equals_num_microbatches():
     assert_bit_identical(jax.jit(a)(params, (x, y)), jax.jit(b)(params, split))
 
 
+@pytest.mark.isa
 def test_has_aux_stacks_aux_and_batch_argnums_keyword_args():
     params, (x, y) = init_params(), make_batch(12)
 
@@ -117,6 +122,7 @@ def test_has_aux_stacks_aux_and_batch_argnums_keyword_args():
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.isa
 def test_tuple_argnums():
     params, batch = init_params(), make_batch(8)
     fn = lambda w1, w2, batch: loss_fn_f32(  # noqa: E731
@@ -134,6 +140,7 @@ def test_tuple_argnums():
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.isa
 def test_f16_params_accumulate_in_f32_and_come_back_f16():
     # Micro-batch gradients of 40000 each: their f16 sum would overflow, the mean
     # does not.
@@ -162,6 +169,7 @@ def train_step_in_one(tx, k):
     return step
 
 
+@pytest.mark.isa
 def test_inf_in_one_microbatch_skips_the_whole_step():
     tx = jxs.dynamic_scaling(relaxed(optax.adamw(1e-2)))
     params, (x, y) = init_params(), make_batch(16)
@@ -227,6 +235,7 @@ def micro_batches(n_windows, k, size=8, seed=1):
 
 
 @pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.isa
 def test_accumulate_equals_one_large_batch_per_window(k):
     """k calls of accumulate == one dynamic_scaling step on the k-times batch."""
     mbs = micro_batches(3, k)
@@ -249,6 +258,7 @@ def test_accumulate_equals_one_large_batch_per_window(k):
     assert int(ref_state.steps) == 3
 
 
+@pytest.mark.isa
 def test_k1_is_plain_dynamic_scaling_bit_for_bit():
     # A float32 loss: the two programs differ in structure, and XLA:CPU's float16
     # arithmetic may round differently across fusions on other instruction sets.
@@ -262,6 +272,7 @@ def test_k1_is_plain_dynamic_scaling_bit_for_bit():
     assert_bit_identical(s1.inner_state, s2)
 
 
+@pytest.mark.isa
 def test_scale_is_fixed_within_the_window_and_updates_are_negative_zero():
     k = 4
     tx = jxs.accumulate(jxs.dynamic_scaling(relaxed(optax.adam(1e-2))), k)
@@ -281,6 +292,7 @@ def test_scale_is_fixed_within_the_window_and_updates_are_negative_zero():
             assert_bit_identical(s.inner_state, before)
 
 
+@pytest.mark.isa
 def test_inf_microbatch_skips_window_and_next_window_trains():
     k = 3
     tx = jxs.accumulate(jxs.dynamic_scaling(relaxed(optax.adam(1e-2))), k)
@@ -379,6 +391,7 @@ def test_extra_args_forwarded_on_the_boundary():
     assert [float(v) for v in seen] == [1.0, 3.0]
 
 
+@pytest.mark.isa
 def test_half_leaves_accumulate_in_f32_and_updates_keep_dtype():
     params = {"h": jnp.zeros(3, jnp.float16), "b": jnp.zeros(2, jnp.bfloat16)}
     tx = jxs.accumulate(jxs.dynamic_scaling(optax.sgd(1.0), jxs.NoOpLossScale()), 4)
@@ -396,6 +409,7 @@ def test_half_leaves_accumulate_in_f32_and_updates_keep_dtype():
     np.testing.assert_array_equal(np.asarray(updates["h"], np.float32), -30000.0)
 
 
+@pytest.mark.isa
 def test_state_is_stable_under_scan_and_no_retrace():
     tx = jxs.accumulate(jxs.dynamic_scaling(relaxed(optax.adam(1e-2))), 2)
     params = init_params()
@@ -494,6 +508,7 @@ def test_contract_dtypes_and_state_are_stable(inner, dtype):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.isa
 def test_multisteps_is_poisoned_and_accumulate_recovers():
     k = 2
     params = {"w": jnp.zeros(3)}

@@ -15,11 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import enable_x64
+from helpers import all_eqns
 from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import mlir
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 F16, BF16, F32, F64 = (
     np.dtype(d) for d in ("float16", jnp.bfloat16, "float32", "float64")
@@ -29,15 +32,6 @@ W = jax.random.normal(jax.random.key(0), (8, 8)) * 0.3
 X = jax.random.normal(jax.random.key(1), (4, 8))
 B = jax.random.normal(jax.random.key(2), (8,))
 Y = jax.random.normal(jax.random.key(3), (4, 8))
-
-
-def all_eqns(jaxpr):
-    """Every equation of a jaxpr and of its sub-jaxprs."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
 
 
 def eqns_named(fun, name, *args):

@@ -13,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import all_eqns
 from jax import lax
-from jax.extend import core as jcore
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 F16, F32 = np.dtype("float16"), np.dtype("float32")
 TOL = dict(rtol=3e-2, atol=3e-2)
@@ -26,14 +28,6 @@ TOL = dict(rtol=3e-2, atol=3e-2)
 W = jax.random.normal(jax.random.key(0), (8, 8)) * 0.3
 X = jax.random.normal(jax.random.key(1), (4, 8))
 B = jax.random.normal(jax.random.key(2), (8,)) * 0.1
-
-
-def all_eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
 
 
 def dot_dtypes(fun, *args):

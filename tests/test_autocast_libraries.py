@@ -38,12 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import all_eqns, relaxed
 from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import mlir
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 nn = pytest.importorskip("flax.linen")
 eqx = pytest.importorskip("equinox")
@@ -62,15 +64,6 @@ def key(seed):
 
 def normal(*shape, rng=RNG):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
-
-
-def all_eqns(jaxpr):
-    """Every equation of a jaxpr and of its sub-jaxprs."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
 
 
 def shapes(tree):

@@ -6,24 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
-from jax.extend import core as jcore
+from helpers import all_eqns, relaxed
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 
 F16, F32 = np.dtype("float16"), np.dtype("float32")
 SUMS = {"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"}
-
-
-def all_eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
 
 
 class Block(nn.Module):

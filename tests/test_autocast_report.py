@@ -18,6 +18,8 @@ from jax.extend import core as jcore
 from jaxscale._autocast import autocast as jxs_autocast
 from jaxscale._autocast_report import AutocastReport, AutocastSite, autocast_report
 
+pytestmark = pytest.mark.integration
+
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 

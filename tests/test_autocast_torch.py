@@ -19,6 +19,8 @@ from jax import lax
 
 import jaxscale as jxs
 
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 

@@ -1,21 +1,18 @@
 """The benchmarks run: ``--quick`` (tiny sizes, a few rounds) so they cannot rot."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
+from helpers import run_script
+
+pytestmark = pytest.mark.integration
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_autocast_benchmark_quick(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "autocast.py"), "--quick"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(BENCHMARKS / "autocast.py", "--quick", cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     rows = re.findall(r"^\| (\w+) \| autocast \| ([\d.]+) \[", out, re.M)
@@ -34,13 +31,7 @@ def test_autocast_benchmark_quick(tmp_path):
 
 
 def test_masked_attention_benchmark(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "masked_attention.py")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(BENCHMARKS / "masked_attention.py", cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     rows = re.findall(

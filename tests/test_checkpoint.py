@@ -7,17 +7,20 @@ import dataclasses
 import subprocess
 import sys
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 import jaxscale.flax as jxf
 from jaxscale.testing import assert_bit_identical
+
+pytestmark = pytest.mark.core
 
 ocp = pytest.importorskip("orbax.checkpoint")
 serialization = pytest.importorskip("flax.serialization")
@@ -329,11 +332,13 @@ BAD = [
     ({}, {"steps": jnp.int32(-3)}, r"`steps` must be >= 0, got -3"),
     ({}, {"skipped_steps": jnp.int32(8)}, r"`skipped_steps` must be in \[0, steps\]"),
     ({}, {"consecutive_skips": jnp.int32(3)}, r"`consecutive_skips` must be in \[0, s"),
-    ({}, {"last_step_finite": jnp.bool_(False)}, r"`last_step_finite` must be `cons"),
-    ({}, {"last_step_finite": jnp.int32(1)}, r"`last_step_finite` must be bool\[\]"),
+    (
+        {},
+        {"nonfinite_leaves": {"flags": jnp.zeros(3, jnp.bool_)}},
+        r"`nonfinite_leaves` must be a LeafFlags .*upgrade_checkpoint.*got dict",
+    ),
     ({}, {"steps": np.int64(2**40)}, r"`steps` must be int32\[\], got int64"),
     ({}, {"steps": None}, r"`steps` must be an int32\[\] array, got NoneType"),
-    ({}, {"steps_at_floor": jnp.int32(8)}, r"`steps_at_floor` must be in \[0, steps\]"),
 ]
 
 
@@ -360,10 +365,9 @@ REPAIRS = [
     ({}, {"steps": jnp.int32(-1)}, {"steps": 0, "skipped_steps": 0}),
     (
         {},
-        {"consecutive_skips": jnp.int32(5), "last_step_finite": jnp.bool_(True)},
+        {"consecutive_skips": jnp.int32(5)},
         {"consecutive_skips": 2, "last_step_finite": False},
     ),
-    ({}, {"last_step_finite": np.int64(1)}, {"last_step_finite": True}),
 ]
 
 
@@ -468,7 +472,6 @@ def test_every_reachable_state_is_valid():
 DIAGNOSTIC_OPTIONS = {
     "plain": None,
     "overflow_hook": {"on_overflow": lambda event: None},
-    "both_hooks": {"on_overflow": lambda event: None, "warn_at_floor_after": 5},
 }
 
 
@@ -478,10 +481,11 @@ DIAGNOSTIC_OPTIONS = {
 def test_diagnostic_options_never_change_what_restores(
     tmp_path, backend, saved, restored
 ):
-    """Switching a diagnostic on or off between save and restore is safe: the
-    state's structure does not depend on them: the per-leaf flags are always
-    kept and ``jxs.diagnostics.monitor`` adds no state. (0.1.0 added a flags subtree with
-    ``track_nonfinite=True``, which broke both orbax and flax restores.)"""
+    """Switching an overflow hook on or off between save and restore is safe:
+    the per-leaf flags are always kept and ``monitor(on_overflow=...)`` adds no
+    state. (0.1.0 added a flags subtree with ``track_nonfinite=True``, which
+    broke both orbax and flax restores.) The floor warning's counter is state
+    of its own: see the next test."""
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
 
     def make(options):
@@ -501,32 +505,75 @@ def test_diagnostic_options_never_change_what_restores(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_0_1_0_checkpoint_without_flags_loads_through_upgrade_checkpoint(
-    tmp_path, backend
-):
-    """0.1.0 wrote ``nonfinite_leaves=None`` by default; restoring that into
+def test_the_floor_warning_keeps_its_counter_in_its_own_state(tmp_path, backend):
+    """``warn_at_floor_after`` adds a ``MonitorState``: its inner state is the
+    plain optimizer's, so a plain checkpoint restores into it (and back) by
+    wrapping or unwrapping, and a structure mismatch is loud, never silent."""
+    params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+    plain = jxs.dynamic_scaling(optax.sgd(0.1))
+    watched = jxs.diagnostics.monitor(plain, warn_at_floor_after=5)
+    state = watched.init(params)
+    bad = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.ones(2)}
+    _, state = jax.jit(watched.update)(bad, state, params)
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    out = BACKENDS[backend](tmp_path / "a", state, watched.init(params))
+    assert_bit_identical(jax.tree.map(np.asarray, out), jax.tree.map(np.asarray, state))
+    inner = BACKENDS[backend](tmp_path / "b", state.inner_state, plain.init(params))
+    assert jxs.diagnostics.nonfinite_paths(inner) == ["w"]
+    with pytest.raises(Exception):  # noqa: B017 - orbax and flax raise differently
+        BACKENDS[backend](tmp_path / "c", state, plain.init(params))
+
+
+class V010State(NamedTuple):
+    """``DynamicScalingState`` as jaxscale 0.1.0 and 0.2.0 stored it."""
+
+    loss_scale: Any
+    inner_state: Any
+    steps: Any
+    skipped_steps: Any
+    consecutive_skips: Any
+    last_step_finite: Any
+    steps_at_floor: Any
+    nonfinite_leaves: Any = None
+
+
+@pytest.mark.parametrize("layout", ["0.1.0", "0.2.0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_old_checkpoint_loads_through_upgrade_checkpoint(tmp_path, backend, layout):
+    """0.1.0 wrote ``nonfinite_leaves=None`` by default, and 0.1.0 and 0.2.0
+    stored ``last_step_finite`` and ``steps_at_floor``; restoring that into
     today's ``tx.init(params)`` fails on the structure, and
-    ``jxs.upgrade_checkpoint`` restores it with fresh flags."""
+    ``jxs.upgrade_checkpoint`` restores it (fresh flags for 0.1.0). The files
+    those releases really wrote are tested in tests/test_upgrade.py."""
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
     tx = jxs.accumulate(jxs.dynamic_scaling(optax.sgd(0.1)), every_k=1)
     state = tx.init(params)
     for g in [jnp.inf, 1.0, 1.0]:
         grads = jax.tree.map(lambda p, g=g: p + g, params)
         _, state = jax.jit(tx.update)(grads, state)
-    old = state._replace(inner_state=state.inner_state._replace(nonfinite_leaves=None))
+    s = state.inner_state
+    flags = s.nonfinite_leaves if layout == "0.2.0" else None
+    old = state._replace(
+        inner_state=V010State(*s[:5], jnp.bool_(True), jnp.int32(0), flags)
+    )
     target = tx.init(params)
     (tmp_path / "direct").mkdir()
-    (tmp_path / "upgraded").mkdir()
     with pytest.raises(Exception):  # noqa: B017 - orbax and flax raise differently
         BACKENDS[backend](tmp_path / "direct", old, target)
-    restored = jxs.upgrade_checkpoint(
-        lambda like: BACKENDS[backend](tmp_path / "upgraded", old, like), target
-    )
+    tries = iter(range(10))
+
+    def restore(like):  # a fresh directory per layout tried
+        where = tmp_path / f"upgraded{next(tries)}"
+        where.mkdir()
+        return BACKENDS[backend](where, old, like)
+
+    restored = jxs.upgrade_checkpoint(restore, target)
     restored = jxs.validate_state(restored)
     assert jax.tree.structure(restored) == jax.tree.structure(target)
     assert_bit_identical(
-        jax.tree.map(np.asarray, restored.inner_state._replace(nonfinite_leaves=None)),
-        jax.tree.map(np.asarray, old.inner_state),
+        jax.tree.map(np.asarray, tuple(restored.inner_state[:5])),
+        jax.tree.map(np.asarray, tuple(old.inner_state[:5])),
     )
     assert jxs.diagnostics.nonfinite_paths(restored) == []
     assert int(jxs.diagnostics.summary(restored)["skipped_steps"]) == 1
@@ -546,7 +593,6 @@ def test_validate_state_keeps_counters_above_2_24_exact():
     out of range, and ``repair=True`` set it to 16777216."""
     big = jnp.int32(2**24 + 1)
     state = _state()._replace(steps=big, skipped_steps=big, consecutive_skips=big)
-    state = state._replace(last_step_finite=jnp.bool_(False))
     assert jxs.validate_state(state) is state
     with pytest.warns(UserWarning, match="consecutive_skips"):
         fixed = jxs.validate_state(
@@ -560,11 +606,7 @@ def test_validate_state_casts_integral_float_counters_exactly():
     """Counters that come back as float64 (a torch dict, a JSON or msgpack
     round trip) are cast exactly with ``repair=True``, also above 2**24."""
     big = np.float64(2**24 + 1)
-    state = (
-        _state()
-        ._replace(steps=big, skipped_steps=big, consecutive_skips=big)
-        ._replace(last_step_finite=jnp.bool_(False))
-    )
+    state = _state()._replace(steps=big, skipped_steps=big, consecutive_skips=big)
     with pytest.raises(
         ValueError,
         match=r"`steps` must be int32\[\], got float64\[\] 16777217\.0\. Pass "

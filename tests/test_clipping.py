@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.core
 
 
 def f64_norm(tree):
@@ -43,6 +45,7 @@ def clip(tx, grads):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.isa
 def test_f16_norm_overflow_optax_zeroes_the_update_jaxscale_clips():
     # Every element is finite in f16, but the global norm (~8e4) is not, and
     # already most single squares overflow f16.
@@ -69,6 +72,7 @@ def test_f16_norm_overflow_optax_zeroes_the_update_jaxscale_clips():
     np.testing.assert_allclose(f64_norm(clipped), 1.0, rtol=2e-3)
 
 
+@pytest.mark.isa
 def test_global_norm_of_f16_tree_is_f32_and_exact():
     grads = random_tree(jnp.float16, scale=600.0)
     norm = jax.jit(jxs.global_norm)(grads)
@@ -77,6 +81,7 @@ def test_global_norm_of_f16_tree_is_f32_and_exact():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.isa
 def test_half_precision_below_max_norm_is_untouched(dtype):
     grads = random_tree(dtype, scale=1e-2)
     clipped = clip(jxs.clip_by_global_norm(10.0), grads)
@@ -85,6 +90,7 @@ def test_half_precision_below_max_norm_is_untouched(dtype):
         np.testing.assert_array_equal(np.asarray(c), np.asarray(g))
 
 
+@pytest.mark.isa
 def test_bf16_clipping_matches_f64_reference():
     grads = random_tree(jnp.bfloat16, scale=1e3)
     clipped = clip(jxs.clip_by_global_norm(2.0), grads)
@@ -99,6 +105,7 @@ def test_bf16_clipping_matches_f64_reference():
         )
 
 
+@pytest.mark.isa
 def test_mixed_dtype_tree_keeps_each_dtype():
     grads = {
         "h": jnp.full((4,), 300.0, jnp.float16),
@@ -126,6 +133,7 @@ def test_mixed_dtype_tree_keeps_each_dtype():
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 @pytest.mark.parametrize("max_norm", [0.5, 1.0, 100.0])
+@pytest.mark.isa
 def test_f32_equals_optax_bit_for_bit(scale, max_norm):
     grads = random_tree(jnp.float32, scale=scale, seed=1)
     ours = clip(jxs.clip_by_global_norm(max_norm), grads)
@@ -142,6 +150,7 @@ def test_same_state_as_optax():
     assert isinstance(ours, optax.EmptyState)
 
 
+@pytest.mark.isa
 def test_f32_norm_overflow_falls_back_to_rescaled_norm():
     # The float32 sum of squares overflows (1e30**2), the norm itself does not.
     grads = {"a": jnp.full((3,), 1e30, jnp.float32), "b": jnp.ones(2, jnp.float32)}
@@ -159,6 +168,7 @@ def test_f32_norm_overflow_falls_back_to_rescaled_norm():
     "bad, expected",
     [(np.inf, np.inf), (-np.inf, np.inf), (np.nan, np.nan)],
 )
+@pytest.mark.isa
 def test_global_norm_of_nonfinite_tree(bad, expected):
     tree = {"a": jnp.array([1.0, bad], jnp.float16), "b": jnp.ones(2)}
     norm = float(jax.jit(jxs.global_norm)(tree))
@@ -168,6 +178,7 @@ def test_global_norm_of_nonfinite_tree(bad, expected):
         assert norm == expected
 
 
+@pytest.mark.isa
 def test_global_norm_edge_cases():
     assert float(jxs.global_norm({})) == 0.0
     assert float(jxs.global_norm({"i": jnp.arange(3), "n": None})) == 0.0
@@ -175,6 +186,7 @@ def test_global_norm_edge_cases():
     assert float(jxs.global_norm(jnp.zeros(5, jnp.float16))) == 0.0
 
 
+@pytest.mark.isa
 def test_traced_max_norm_with_inject_hyperparams():
     tx = optax.inject_hyperparams(jxs.clip_by_global_norm)(max_norm=1.0)
     grads = {"w": jnp.full((4,), 40000.0, jnp.float16)}
@@ -188,6 +200,7 @@ def test_traced_max_norm_with_inject_hyperparams():
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.isa
 def test_clip_inside_dynamic_scaling_uses_unscaled_norm_f16():
     params = {"w": jnp.zeros(4, jnp.float16)}
     scale = 2.0**6
@@ -219,6 +232,7 @@ def test_clip_inside_dynamic_scaling_uses_unscaled_norm_f16():
 @pytest.mark.parametrize(
     "clipper", [jxs.clip_by_global_norm, optax.clip_by_global_norm]
 )
+@pytest.mark.isa
 def test_clip_inside_dynamic_scaling_sees_unscaled_f32_gradients(clipper):
     params = random_tree(jnp.float32)
     unscaled = random_tree(jnp.float32, scale=0.3, seed=3)  # norm ~ 4

@@ -85,6 +85,7 @@ WRONG = {
 
 
 @pytest.mark.parametrize("name", sorted(RIGHT))
+@pytest.mark.unit
 def test_right_nestings_are_silent(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -94,6 +95,7 @@ def test_right_nestings_are_silent(name):
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
+@pytest.mark.unit
 def test_wrong_nestings_raise_with_the_right_nesting(name):
     make, match = WRONG[name]
     with pytest.raises(ValueError, match=match):
@@ -103,6 +105,7 @@ def test_wrong_nestings_raise_with_the_right_nesting(name):
         jxs.loss_scale_of(make().init(params()))
 
 
+@pytest.mark.unit
 def test_inject_hyperparams_around_warns_and_says_inside():
     tx = optax.inject_hyperparams(lambda learning_rate: ds(optax.sgd(learning_rate)))(
         learning_rate=0.1
@@ -111,6 +114,7 @@ def test_inject_hyperparams_around_warns_and_says_inside():
         scaled_grads(tx)
 
 
+@pytest.mark.unit
 def test_stateful_transformation_after_warns():
     tx = optax.chain(ds(), optax.trace(decay=0.9))
     with pytest.warns(jxs.CompositionWarning, match="also run on skipped steps"):
@@ -124,16 +128,19 @@ def test_stateful_transformation_after_warns():
         (lambda: ds(ds()), "nested inside another"),
     ],
 )
+@pytest.mark.unit
 def test_wrong_inner_raises_at_init(make, match):
     with pytest.raises(ValueError, match=match):
         make().init(params())
 
 
+@pytest.mark.unit
 def test_multisteps_as_inner_says_use_accumulate():
     with pytest.raises(TypeError, match=r"jxs.accumulate\(jxs.dynamic_scaling"):
         jxs.dynamic_scaling(optax.MultiSteps(optax.sgd(0.1), 2))
 
 
+@pytest.mark.unit
 def test_number_as_loss_scale_suggests_static_loss_scale():
     with pytest.raises(
         TypeError, match=r"`loss_scale`.*StaticLossScale.create\(1024.0\)"
@@ -141,6 +148,7 @@ def test_number_as_loss_scale_suggests_static_loss_scale():
         jxs.value_and_grad(loss_fn, 1024.0)
 
 
+@pytest.mark.core
 def test_clip_before_would_have_trained_wrong():
     """What the check prevents: clipping scaled gradients stalls training."""
     tx = optax.chain(optax.clip_by_global_norm(1.0), ds(optax.sgd(0.1)))
@@ -153,6 +161,7 @@ def test_clip_before_would_have_trained_wrong():
     assert float(optax.tree.norm(updates)) < 1e-5
 
 
+@pytest.mark.core
 def test_the_guide_nesting_runs_silently_and_schedules_count_applied_steps():
     """docs/composition.md's recommended nesting, executed as written."""
     import pathlib

@@ -1,5 +1,6 @@
-"""jxs.diagnostics.cotangent_probe / cotangent_report / cotangent_table: per-site statistics of
-activation gradients agree with NumPy on the same cotangents obtained by jax.grad."""
+"""jxs.diagnostics.cotangent_probe / cotangent_report / cotangent_table: per-site
+statistics of activation gradients agree with NumPy on the same cotangents
+obtained by jax.grad."""
 
 import re
 from pathlib import Path
@@ -12,6 +13,8 @@ import optax
 import pytest
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 F16, BF16 = np.dtype("float16"), np.dtype(ml_dtypes.bfloat16)
@@ -303,7 +306,9 @@ def test_out_of_range_index_is_nan():
     def fun(ws, x):
         def body(h, inputs):
             w, i = inputs
-            h = jxs.diagnostics.cotangent_probe(jnp.tanh(h @ w), "layer", index=i + 1, size=LAYERS)
+            h = jxs.diagnostics.cotangent_probe(
+                jnp.tanh(h @ w), "layer", index=i + 1, size=LAYERS
+            )
             return h, None
 
         return jnp.mean(jax.lax.scan(body, x, (ws, jnp.arange(LAYERS)))[0] ** 2)
@@ -360,7 +365,9 @@ def test_nnx_module_is_not_mutated():
             self.out = nnx.Linear(8, 6, rngs=rngs)
 
         def __call__(self, x):
-            h = jxs.diagnostics.cotangent_probe(self.drop(self.norm(self.dense(x))), "hidden")
+            h = jxs.diagnostics.cotangent_probe(
+                self.drop(self.norm(self.dense(x))), "hidden"
+            )
             return jxs.diagnostics.cotangent_probe(self.out(jnp.tanh(h)), "logits")
 
     model = Net(nnx.Rngs(0, dropout=1))
@@ -491,11 +498,13 @@ def test_report_rejects_bad_functions():
     with pytest.raises(ValueError, match=r"calls no `jxs.diagnostics.cotangent_probe`"):
         jxs.diagnostics.cotangent_report(lambda x: jnp.sum(x))(jnp.ones(2))
     with pytest.raises(TypeError, match=r"must return a floating scalar loss"):
-        jxs.diagnostics.cotangent_report(lambda x: jxs.diagnostics.cotangent_probe(x, "x"))(jnp.ones(2))
+        jxs.diagnostics.cotangent_report(
+            lambda x: jxs.diagnostics.cotangent_probe(x, "x")
+        )(jnp.ones(2))
     with pytest.raises(TypeError, match=r"as the first element of `\(loss, aux\)`"):
-        jxs.diagnostics.cotangent_report(lambda x: (jxs.diagnostics.cotangent_probe(x, "x"), 0), has_aux=True)(
-            jnp.ones(2)
-        )
+        jxs.diagnostics.cotangent_report(
+            lambda x: (jxs.diagnostics.cotangent_probe(x, "x"), 0), has_aux=True
+        )(jnp.ones(2))
 
     def sizes(x):
         x = jxs.diagnostics.cotangent_probe(x, "a", index=0, size=2)

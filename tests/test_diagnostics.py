@@ -13,10 +13,12 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
+
+pytestmark = pytest.mark.core
 
 
 def make_params(dtype=jnp.float32):
@@ -42,7 +44,6 @@ KEYS = [
     "skipped_steps",
     "consecutive_skips",
     "last_step_finite",
-    "steps_at_floor",
     "loss_scale",
 ]
 
@@ -55,7 +56,11 @@ def test_summary_inside_jit_has_no_host_transfer():
     @jax.jit
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, jxs.diagnostics.summary(state)
+        return (
+            optax.apply_updates(params, updates),
+            state,
+            jxs.diagnostics.summary(state),
+        )
 
     state = tx.init(params)
     good, bad = grads_like(params, 1.0), grads_like(params, math.nan)
@@ -110,16 +115,22 @@ def test_summary_errors():
 
 
 def test_steps_at_floor_counts_consecutive_steps_at_min_scale():
+    """The floor counter lives in the monitor's state (``MonitorState``), not
+    in the core's."""
     params = make_params()
     ls = jxs.DynamicLossScale.create(init_scale=8.0, min_scale=2.0, growth_interval=3)
-    tx = jxs.dynamic_scaling(optax.sgd(0.1), ls)
+    tx = jxs.diagnostics.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=100
+    )
     state = tx.init(params)
+    assert isinstance(state, jxs.diagnostics.MonitorState)
     step = jax.jit(tx.update)
     pattern = [False, False, False, True, False, True, True, True, False]
     got = []
     for finite in pattern:
         _, state = step(grads_like(params, 1.0 if finite else math.inf), state, params)
-        got.append((float(state.loss_scale.loss_scale), int(state.steps_at_floor)))
+        scale = float(state.inner_state.loss_scale.loss_scale)
+        got.append((scale, int(state.steps_at_floor)))
     # 8 -> 4 -> 2 (floor) -> 2 ... growth on the 3rd finite step in a row -> 4.
     assert got == [
         (4.0, 0),
@@ -134,14 +145,27 @@ def test_steps_at_floor_counts_consecutive_steps_at_min_scale():
     ]
 
 
-def test_steps_at_floor_stays_zero_for_static_and_noop():
+def test_steps_at_floor_counts_scaling_steps_only_under_accumulate():
     params = make_params()
+    ls = jxs.DynamicLossScale.create(init_scale=2.0, min_scale=2.0)
+    tx = jxs.diagnostics.monitor(
+        jxs.accumulate(jxs.dynamic_scaling(optax.sgd(0.1), ls), every_k=2),
+        warn_at_floor_after=100,
+    )
+    state = tx.init(params)
+    counts = []
+    for _ in range(4):
+        _, state = jax.jit(tx.update)(grads_like(params, 1.0), state, params)
+        counts.append(int(state.steps_at_floor))
+    assert counts == [0, 1, 1, 2]
+
+
+def test_only_a_dynamic_loss_scale_has_a_floor():
     for ls in [jxs.StaticLossScale.create(2.0**-126), jxs.NoOpLossScale()]:
-        tx = jxs.dynamic_scaling(optax.sgd(0.1), ls)
-        state = tx.init(params)
-        for _ in range(3):
-            _, state = jax.jit(tx.update)(grads_like(params, math.nan), state, params)
-        assert int(state.steps_at_floor) == 0 and int(state.skipped_steps) == 3
+        assert ls.floor is None and not bool(ls.at_floor())
+    ls = jxs.DynamicLossScale.create(init_scale=4.0, min_scale=2.0)
+    assert ls.floor == 2.0 and not bool(ls.at_floor())
+    assert bool(ls.adjust(False).at_floor())
 
 
 # --------------------------------------------------------------------------- #
@@ -168,7 +192,10 @@ def test_flags_name_the_leaves_of_the_last_step(dtype, bad):
     grads["head"] = jnp.array(bad, dtype)
     _, state = step(grads, state, params)
     assert jxs.diagnostics.nonfinite_paths(state) == ["dense/kernel", "head"]
-    assert jxs.diagnostics.nonfinite_paths(state.nonfinite_leaves) == ["dense/kernel", "head"]
+    assert jxs.diagnostics.nonfinite_paths(state.nonfinite_leaves) == [
+        "dense/kernel",
+        "head",
+    ]
     assert int(jxs.diagnostics.summary(state)["nonfinite_leaves"]) == 2
     _, state = step(grads_like(params, 4.0), state, params)  # finite: cleared
     assert jxs.diagnostics.nonfinite_paths(state) == []
@@ -193,7 +220,9 @@ def test_flags_state_is_stable_in_scan_and_works_nested():
     def body(carry, _):
         p, s = carry
         u, s = tx.update(grads_like(p, 1.0), s, p)
-        return (optax.apply_updates(p, u), s), jxs.diagnostics.summary(s)["nonfinite_leaves"]
+        return (optax.apply_updates(p, u), s), jxs.diagnostics.summary(s)[
+            "nonfinite_leaves"
+        ]
 
     (_, state), counts = jax.jit(lambda c: jax.lax.scan(body, c, length=4))(
         (params, tx.init(params))
@@ -204,16 +233,13 @@ def test_flags_state_is_stable_in_scan_and_works_nested():
 
 def test_nonfinite_paths_errors():
     params = make_params()
-    plain = jxs.dynamic_scaling(optax.sgd(0.1))
-    old = plain.init(params)._replace(nonfinite_leaves=None)  # a 0.1.0 state
-    with pytest.raises(ValueError, match="holds no per-leaf flags.*jaxscale 0.1.0"):
-        jxs.diagnostics.nonfinite_paths(old)
-    with pytest.raises(TypeError, match=r"leaf 'a' must be a boolean scalar.*float32"):
-        jxs.diagnostics.nonfinite_paths({"a": jnp.ones(())})
+    with pytest.raises(TypeError, match=r"holding a jxs.DynamicScalingState.*dict"):
+        jxs.diagnostics.nonfinite_paths({"a": jnp.ones(())})  # 0.1.0's layout
     tracked = jxs.dynamic_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match="cannot run inside `jax.jit`"):
         jax.jit(jxs.diagnostics.nonfinite_paths)(tracked.init(params))
-    assert jxs.diagnostics.nonfinite_paths(jnp.bool_(True)) == ["<root>"]
+    flags = tracked.init(params).nonfinite_leaves
+    assert jxs.diagnostics.nonfinite_paths(flags) == []
 
 
 # --------------------------------------------------------------------------- #
@@ -225,7 +251,9 @@ def test_on_overflow_fires_only_on_skipped_steps_with_paths():
     params = make_params()
     events = []
     ls = jxs.DynamicLossScale.create(init_scale=2.0**8, growth_interval=100)
-    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), on_overflow=events.append)
+    tx = jxs.diagnostics.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), ls), on_overflow=events.append
+    )
 
     @jax.jit
     def step(params, state, grads):
@@ -260,7 +288,9 @@ def test_on_overflow_inside_scan():
     events = []
     tx = optax.chain(
         jxt.nonfinite_at([3, 7], paths="kernel", value=math.nan),
-        jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append),
+        jxs.diagnostics.monitor(
+            jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append
+        ),
     )
 
     def body(carry, _):
@@ -279,7 +309,9 @@ def test_on_overflow_inside_scan():
 def test_warn_at_floor_after_warns_once_per_stay():
     params = make_params()
     ls = jxs.DynamicLossScale.create(init_scale=4.0, min_scale=1.0, growth_interval=2)
-    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=3)
+    tx = jxs.diagnostics.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=3
+    )
     step = jax.jit(tx.update)
     state = tx.init(params)
     # 4 -> 2 -> 1 (floor: count 1) -> 2, 3 (warn), 4, 5, 6 -> grow -> 1 (count 1),
@@ -342,7 +374,10 @@ def test_options_moved_out_of_the_core_raise():
 def test_monitor_under_accumulate_fires_once_per_window():
     events = []
     tx = jxs.accumulate(
-        jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append), 3
+        jxs.diagnostics.monitor(
+            jxs.dynamic_scaling(optax.sgd(0.1)), on_overflow=events.append
+        ),
+        3,
     )
     params = make_params()
     state = tx.init(params)
@@ -409,7 +444,8 @@ def test_state_structure_does_not_depend_on_diagnostics():
     plain = jxs.dynamic_scaling(optax.sgd(0.1))
     states = [
         plain.init(params),
-        jxs.diagnostics.monitor(plain, on_overflow=print, warn_at_floor_after=3).init(params),
+        jxs.diagnostics.monitor(plain, on_overflow=print).init(params),
+        jxs.diagnostics.monitor(plain, warn_at_floor_after=3).init(params).inner_state,
     ]
     structures = {jax.tree.structure(s) for s in states}
     assert len(structures) == 1
@@ -582,7 +618,9 @@ def test_layer_norms_errors():
 
 def test_floor_warning_as_error_stops_the_run_with_its_message():
     ls = jxs.DynamicLossScale.create(init_scale=2.0, min_scale=1.0)
-    tx = jxs.diagnostics.monitor(jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=2)
+    tx = jxs.diagnostics.monitor(
+        jxs.dynamic_scaling(optax.sgd(0.1), ls), warn_at_floor_after=2
+    )
     params = make_params()
     step = jax.jit(tx.update)
     state, done = tx.init(params), 0

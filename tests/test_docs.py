@@ -11,6 +11,8 @@ import pytest
 
 import jaxscale as jxs
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"

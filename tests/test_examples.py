@@ -2,29 +2,16 @@
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
+
+pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("*.py"))
-
-
-def _run(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    # A headless matplotlib backend, in case an example draws a plot.
-    env = {**os.environ, "MPLBACKEND": "Agg"}
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _check_quickstart(out: str) -> None:
@@ -128,7 +115,7 @@ ARGS = {
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_example_runs(script, tmp_path):
-    proc = _run(script, "--steps", "30", *ARGS.get(script.name, []), cwd=tmp_path)
+    proc = run_script(script, "--steps", "30", *ARGS.get(script.name, []), cwd=tmp_path)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}{proc.stderr}"
     if script.name in CHECKS:
         CHECKS[script.name](proc.stdout)

@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 from jaxscale.testing import assert_bit_identical
+
+pytestmark = pytest.mark.core
 
 HALF = [jnp.float16, jnp.bfloat16]
 
@@ -32,6 +34,7 @@ def step(tx, params, grads, state=None):
     return run(params, state, grads)
 
 
+@pytest.mark.isa
 def test_clip_by_global_norm_on_float16_norm_beyond_float16_range():
     # Scale 16, 1000 gradients of 48000 (scaled): unscaled 3000 each, global
     # norm 94868 > 65504, the largest float16.
@@ -54,6 +57,7 @@ def test_clip_by_global_norm_on_float16_norm_beyond_float16_range():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["adam", "adamw"])
+@pytest.mark.isa
 def test_adam_on_half_precision_params_is_finite_and_right(dtype, name):
     make = {"adam": optax.adam, "adamw": optax.adamw}[name]
     tx = jxs.dynamic_scaling(relaxed(make(1e-2)))
@@ -101,6 +105,7 @@ def test_inner_state_is_float32_for_half_leaves_only(dtype):
     )
 
 
+@pytest.mark.isa
 def test_skipped_step_leaves_half_params_and_state_bit_identical():
     tx = jxs.dynamic_scaling(relaxed(optax.adam(1e-3)))
     params = {"w": jnp.array([-0.0, 1.5, -2.25], jnp.float16)}
@@ -113,6 +118,7 @@ def test_skipped_step_leaves_half_params_and_state_bit_identical():
     assert jxs.diagnostics.nonfinite_paths(new_state) == ["w"]
 
 
+@pytest.mark.isa
 def test_updates_take_the_gradient_dtype_without_params():
     tx = jxs.dynamic_scaling(optax.sgd(1.0), jxs.StaticLossScale.create(4.0))
     updates, _ = tx.update(jnp.full(3, 8.0, jnp.float16), tx.init(jnp.zeros(3)))

@@ -5,7 +5,11 @@ import ast
 import inspect
 import pathlib
 
+import pytest
+
 import jaxscale as jxs
+
+pytestmark = pytest.mark.integration
 
 PACKAGE = pathlib.Path(jxs.__file__).resolve().parent
 
@@ -50,5 +54,98 @@ def test_no_backend_branches_in_the_package():
     """The update path compiles the same program on every backend."""
     offenders = [
         p.name for p in PACKAGE.rglob("*.py") if "default_backend" in p.read_text()
+    ]
+    assert not offenders, offenders
+
+
+def _imports() -> dict[str, list[tuple[str, list[str], bool]]]:
+    """For each module of the package: ``(imported module, names, at top level)``
+    for every import of a jaxscale module."""
+    graph: dict[str, list[tuple[str, list[str], bool]]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        edges = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [a.name for a in node.names]
+                if node.module == "jaxscale":  # ``from jaxscale import _nnx``
+                    for name in names:
+                        edges.append((f"jaxscale.{name}", [], id(node) in top))
+                elif node.module.startswith("jaxscale"):
+                    edges.append((node.module, names, id(node) in top))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("jaxscale"):
+                        edges.append((a.name, [], id(node) in top))
+        graph[module] = edges
+    return graph
+
+
+def test_no_function_local_imports_of_jaxscale_modules():
+    """Every import of a jaxscale module is at the top of its module: the
+    order of the floors is visible, and nothing calls back up late."""
+    late = {
+        m: [target for target, _, top in edges if not top]
+        for m, edges in _imports().items()
+    }
+    assert not {m: t for m, t in late.items() if t}, late
+
+
+def test_import_graph_has_no_cycle():
+    graph = {
+        m: {t for t, _, _ in edges if t != m and not m.startswith(t + ".")}
+        for m, edges in _imports().items()
+    }
+    # A package's __init__ re-exports from below; its modules never import it.
+    done: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        if done.get(m) == 2:
+            return
+        assert done.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
+        done[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if t in graph:
+                visit(t)
+        path.pop()
+        done[m] = 2
+
+    for m in sorted(graph):
+        visit(m)
+    inward = [
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if t in ("jaxscale", "jaxscale.diagnostics", "jaxscale.testing")
+        and not m.startswith(t)
+        and m != "jaxscale"
+    ]
+    assert not inward, f"private modules import a public namespace: {inward}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is that module's internal API: no leading
+    underscore (the modules themselves are private)."""
+    private = {
+        m: [(t, n) for t, names, _ in edges for n in names if n.startswith("_")]
+        for m, edges in _imports().items()
+    }
+    assert not {m: v for m, v in private.items() if v}, private
+
+
+def test_the_nnx_module_is_on_the_ground_floor():
+    assert [t for t, _, _ in _imports()["jaxscale._nnx"]] == []
+
+
+def test_no_private_jax_outside_the_adapter():
+    offenders = [
+        p.name
+        for p in PACKAGE.rglob("*.py")
+        if "jax._src" in p.read_text() and p.name != "_jax_private.py"
     ]
     assert not offenders, offenders

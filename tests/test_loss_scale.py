@@ -15,6 +15,8 @@ from conftest import enable_x64
 import jaxscale as jxs
 from jaxscale.testing import simulate
 
+pytestmark = pytest.mark.unit
+
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).tiny)
 

@@ -18,12 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed, set_mesh
+from conftest import set_mesh
+from helpers import relaxed
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+
+pytestmark = pytest.mark.core
 
 N = 8
 BAD_DEVICE = 5  # the one device whose block of the gradient overflows

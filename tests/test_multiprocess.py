@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT = 300  # seconds, for the whole job

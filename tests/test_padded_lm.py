@@ -19,6 +19,8 @@ from pathlib import Path
 import jax
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

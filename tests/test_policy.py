@@ -38,6 +38,7 @@ F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32"
         ("compute=float8_e4m3fn", (F32, np.dtype(jnp.float8_e4m3fn), F32)),
     ],
 )
+@pytest.mark.unit
 def test_from_string(spec, expected):
     policy = jxs.Policy.from_string(spec)
     got = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
@@ -53,11 +54,13 @@ def test_from_string(spec, expected):
         jxs.Policy(jnp.bfloat16, "f16", np.float32),
     ],
 )
+@pytest.mark.unit
 def test_str_round_trips(policy):
     assert jxs.Policy.from_string(str(policy)) == policy
     assert re.fullmatch(r"params=\w+,compute=\w+,output=\w+", str(policy))
 
 
+@pytest.mark.unit
 def test_constructor_takes_dtypes_and_names():
     a = jxs.Policy(compute_dtype=jnp.float16)
     b = jxs.Policy(param_dtype="float32", compute_dtype="f16", output_dtype=F32)
@@ -89,17 +92,20 @@ def test_constructor_takes_dtypes_and_names():
         ("mixed_float16", r"Keras policy name.*compute=float16,output=float32"),
     ],
 )
+@pytest.mark.unit
 def test_from_string_rejects(spec, match):
     with pytest.raises(ValueError, match=match):
         jxs.Policy.from_string(spec)
 
 
+@pytest.mark.unit
 def test_from_string_rejects_non_strings():
     with pytest.raises(TypeError, match=r"`spec` must be a string.*got 16"):
         jxs.Policy.from_string(16)
 
 
 @pytest.mark.parametrize("bad", [jnp.int32, "int8", "e", None, 16, True, "complex64"])
+@pytest.mark.unit
 def test_constructor_rejects_non_floating(bad):
     with pytest.raises(ValueError, match=r"`compute_dtype` must be a floating dtype"):
         jxs.Policy(compute_dtype=bad)
@@ -107,6 +113,7 @@ def test_constructor_rejects_non_floating(bad):
         jxs.cast_floating(jnp.ones(2), bad)
 
 
+@pytest.mark.unit
 def test_policy_is_a_static_argument():
     traces = []
 
@@ -145,6 +152,7 @@ def _mixed_tree():
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.unit
 def test_cast_floating_casts_only_floating_leaves(dtype, jit):
     tree = _mixed_tree()
     untouched = ("step", "mask", "raw_key", "complex")
@@ -173,6 +181,7 @@ def test_cast_floating_casts_only_floating_leaves(dtype, jit):
     assert isinstance(out["np"], np.ndarray) and out["np"].dtype == dtype
 
 
+@pytest.mark.unit
 def test_cast_floating_returns_leaves_already_in_dtype_as_they_are():
     tree = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2)}
     out = jxs.cast_floating(tree, "f16")
@@ -182,6 +191,7 @@ def test_cast_floating_returns_leaves_already_in_dtype_as_they_are():
     assert len(converts) == 1  # only "b"
 
 
+@pytest.mark.unit
 def test_cast_floating_on_abstract_shapes():
     shapes = jax.eval_shape(lambda: {"w": jnp.ones((2, 3)), "n": jnp.int32(0)})
     out = jxs.cast_floating(shapes, jnp.bfloat16)
@@ -197,6 +207,7 @@ def test_cast_floating_on_abstract_shapes():
         ("cast_to_output", "output_dtype"),
     ],
 )
+@pytest.mark.unit
 def test_policy_methods_cast_to_their_field(method, field):
     policy = jxs.Policy("bf16", "f16", "f32")
     tree = _mixed_tree()
@@ -216,6 +227,7 @@ def test_policy_methods_cast_to_their_field(method, field):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.integration
 def test_nnx_state_variables_and_modules():
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Sequential(
@@ -249,6 +261,7 @@ def test_nnx_state_variables_and_modules():
     assert module.layers[2].rngs.count.get_value().dtype == np.uint32
 
 
+@pytest.mark.core
 def test_linen_params():
     nn = pytest.importorskip("flax.linen")
     model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
@@ -272,6 +285,7 @@ def _mlp(params, x):
     return jnp.mean((h @ params["w2"]) ** 2)
 
 
+@pytest.mark.core
 def test_policy_with_loss_scaling_gives_param_dtype_gradients():
     policy = jxs.Policy.from_string("params=float32,compute=float16,output=float32")
     keys = jax.random.split(jax.random.key(0), 2)
@@ -321,6 +335,7 @@ def _dot_dtypes(jaxpr):
     return found
 
 
+@pytest.mark.integration
 def test_policy_composes_with_autocast():
     """Policy at the boundary (f32 params and output), autocast per op (f16 dots)."""
     policy = jxs.Policy.from_string("params=float32,compute=float16,output=float32")
@@ -342,6 +357,7 @@ def test_policy_composes_with_autocast():
         np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.integration
 def test_guide_snippets_run():
     text = (DOCS / "policy.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import jaxscale as jxs
 import jaxscale.flax as jxf
 import jaxscale.testing as jxt
+
+pytestmark = pytest.mark.integration
 
 TINY = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)

@@ -7,25 +7,20 @@ are marked ``slow``: run them with ``pytest --runslow`` or ``JAXSCALE_SLOW=1``.
 checks their output's shape.
 """
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
+
+pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _run(script: str, tmp_path: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--out", str(tmp_path)],
-        cwd=tmp_path,
-        env={**os.environ, "MPLBACKEND": "Agg"},
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = run_script(
+        EXAMPLES / script, "--out", str(tmp_path), cwd=tmp_path, timeout=900
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}{proc.stderr}"
     assert (tmp_path / script.replace(".py", ".png")).is_file()

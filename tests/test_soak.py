@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
+
+pytestmark = pytest.mark.integration
 
 # --------------------------------------------------------------------------- #
 # The state machine: 1,000,000 steps under lax.scan against a fast reference.

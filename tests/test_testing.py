@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
+
+pytestmark = pytest.mark.core
 
 TINY = float(np.finfo(np.float32).tiny)
 

@@ -10,6 +10,8 @@ import pytest
 
 import jaxscale as jxs
 
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch")
 
 # Overflow schedule (True = finite): streaks, isolated overflows, and finite runs

@@ -46,6 +46,8 @@ import pytest
 
 import jaxscale as jxs
 
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch")
 
 TINY = float(np.finfo(np.float32).tiny)  # 2**-126, jaxscale's default floor
@@ -311,6 +313,7 @@ PATTERN = ".i.n.....h..mi...n....h.in" + _GOOD + "n.i" + _GOOD + ".hhh" + _GOOD
         ),
     ],
 )
+@pytest.mark.isa
 def test_scale_trajectory_and_skips_match_torch(config):
     config = {"growth_interval": 2, **config}
     params = [np.linspace(-1.0, 1.0, PROBE_SIZE, dtype=np.float32)]
@@ -335,6 +338,7 @@ MLP_PATTERN = "..i.....n.." + _GOOD + "in.." + _GOOD
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+@pytest.mark.isa
 def test_optimizer_params_match_torch(optimizer, relax):
     if optimizer == "sgd_momentum":
         torch_opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -407,6 +411,7 @@ def probe_x(seed: int, n: int = 4096) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scale", UNSCALE_SCALES)
+@pytest.mark.isa
 def test_unscale_bitwise_equal_to_torch(scale):
     x = probe_x(3)
     t_scaled, t_unscaled = torch_unscaled(scale, x)
@@ -421,6 +426,7 @@ def test_unscale_bitwise_equal_to_torch(scale):
 
 
 @pytest.mark.parametrize("scale", [1.5 * 2.0**126, 1.5 * 2.0**127])
+@pytest.mark.isa
 def test_unscale_above_2_126_keeps_bits_torch_loses(scale):
     """Documented difference: torch's ``1/scale`` is a float32 subnormal here.
 
@@ -460,6 +466,7 @@ def test_unscale_above_2_126_keeps_bits_torch_loses(scale):
         (dict(init_scale=2.0**127, growth_interval=2), 2.0**127),
     ],
 )
+@pytest.mark.isa
 def test_growth_that_would_overflow_is_skipped_like_torch(config, top):
     config = {"growth_interval": 1, **config}
     pattern = "...h..i....hh..." + _GOOD
@@ -494,6 +501,7 @@ def test_growth_that_would_overflow_is_skipped_like_torch(config, top):
 
 
 @pytest.mark.parametrize("streak", [40, 150])
+@pytest.mark.isa
 def test_long_overflow_streak(streak):
     pattern = ("inm" * streak)[:streak] + "......"
     params = [np.linspace(-1.0, 1.0, PROBE_SIZE, dtype=np.float32)]
@@ -535,6 +543,7 @@ def test_long_overflow_streak(streak):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.isa
 def test_unscaled_overflow_is_skipped_where_torch_applies_inf():
     """Scale < 1: a finite scaled gradient whose unscaled value overflows.
 
@@ -570,6 +579,7 @@ def test_unscaled_overflow_is_skipped_where_torch_applies_inf():
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.isa
 def test_clipping_after_unscale_matches_torch():
     max_norm = 0.1
     torch_opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -601,6 +611,7 @@ def test_clipping_after_unscale_matches_torch():
 
 
 @pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.isa
 def test_gradient_accumulation_matches_torch(k):
     torch_opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
     inner = optax.sgd(0.05, momentum=0.9)

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import relaxed
+from helpers import relaxed
 
 import jaxscale as jxs
 from jaxscale.testing import assert_bit_identical
+
+pytestmark = pytest.mark.core
 
 
 def make_params(dtype=jnp.float32):
@@ -55,6 +57,7 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(bad):
     assert float(new_state.loss_scale.loss_scale) == 2.0**15
 
 
+@pytest.mark.isa
 def test_finite_step_equals_inner_on_unscaled_grads():
     params = make_params()
     inner = optax.sgd(0.1, momentum=0.9)
@@ -72,6 +75,7 @@ def test_finite_step_equals_inner_on_unscaled_grads():
     assert_bit_identical(state.inner_state, ref_state)
 
 
+@pytest.mark.isa
 def test_unscaled_overflow_is_skipped_even_if_scaled_grads_are_finite():
     # torch checks the *scaled* gradients; at a scale below 1 the unscaled ones
     # can overflow while the scaled ones are finite (pytorch#99640 family).
@@ -214,6 +218,7 @@ def test_train_step_no_host_sync_no_retrace_and_donation():
     assert float(ls.loss_scale) == 2.0**24
 
 
+@pytest.mark.isa
 def test_whole_training_loop_in_lax_scan_matches_python_loop():
     params, batch = _problem(1)
     tx = jxs.dynamic_scaling(
@@ -288,6 +293,7 @@ def test_loss_scale_of_errors():
         jxs.loss_scale_of(two.init(make_params()))
 
 
+@pytest.mark.isa
 def test_value_and_grad_returns_unscaled_loss_and_scaled_grads():
     ls = jxs.StaticLossScale.create(256.0)
     params, batch = _problem()

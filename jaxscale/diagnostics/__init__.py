@@ -29,12 +29,14 @@ from jaxscale._diagnostics import layer_norms as layer_norms
 from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
 from jaxscale._diagnostics import summary as summary
 from jaxscale._diagnostics import underflow_report as underflow_report
-from jaxscale._hooks import OverflowEvent as OverflowEvent
-from jaxscale._hooks import ScaleAtFloorWarning as ScaleAtFloorWarning
-from jaxscale._hooks import monitor as monitor
+from jaxscale._monitor import MonitorState as MonitorState
+from jaxscale._monitor import OverflowEvent as OverflowEvent
+from jaxscale._monitor import ScaleAtFloorWarning as ScaleAtFloorWarning
+from jaxscale._monitor import monitor as monitor
 
 __all__ = [
     "CotangentStats",
+    "MonitorState",
     "OverflowEvent",
     "ScaleAtFloorWarning",
     "UnderflowReport",

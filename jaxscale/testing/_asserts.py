@@ -9,12 +9,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale._diagnostics import _scaling_state_of
-from jaxscale._hooks import leaf_names
+from jaxscale._composition import scaling_state_of
+from jaxscale._grad import loss_scale_of
 from jaxscale._loss_scale import DynamicLossScale, LossScale
-from jaxscale._transform import loss_scale_of
-from jaxscale._tree import is_float_leaf
-from jaxscale.testing._simulate import SimStep, _concrete
+from jaxscale._tree import is_float_leaf, leaf_names
+from jaxscale.testing._simulate import SimStep, concrete
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -73,7 +72,7 @@ def assert_bit_identical(
     for name, x, y in zip(
         paths, jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True
     ):
-        x, y = _concrete(a_name, x), _concrete(b_name, y)
+        x, y = concrete(a_name, x), concrete(b_name, y)
         if x.shape != y.shape or x.dtype != y.dtype:
             raise AssertionError(
                 f"leaf {name!r} of `{b_name}` is {y.dtype}{list(y.shape)}, "
@@ -91,13 +90,13 @@ def assert_bit_identical(
 
 
 def _states(before_state: Any, after_state: Any):
-    s0 = _scaling_state_of(before_state, "before_state")
-    s1 = _scaling_state_of(after_state, "after_state")
+    s0 = scaling_state_of(before_state, "before_state")
+    s1 = scaling_state_of(after_state, "after_state")
     return s0, s1
 
 
 def _advanced(name: str, before: Any, after: Any, by: int) -> None:
-    b, a = int(_concrete(name, before)), int(_concrete(name, after))
+    b, a = int(concrete(name, before)), int(concrete(name, after))
     want = min(b + by, _INT32_MAX)
     if a != want:
         raise AssertionError(
@@ -139,7 +138,7 @@ def assert_skipped(
       >>> jxt.assert_skipped(params, state, new_params, new_state)
     """
     s0, s1 = _states(before_state, after_state)
-    if bool(_concrete("after_state", s1.last_step_finite)):
+    if bool(concrete("after_state", s1.last_step_finite)):
         raise AssertionError(
             "the step was applied, not skipped: `after_state.last_step_finite` is "
             "True (every unscaled gradient was finite)."
@@ -192,14 +191,14 @@ def assert_applied(
       AssertionError: the step was skipped, not applied: ...
     """
     s0, s1 = _states(before_state, after_state)
-    if not bool(_concrete("after_state", s1.last_step_finite)):
+    if not bool(concrete("after_state", s1.last_step_finite)):
         raise AssertionError(
             "the step was skipped, not applied: `after_state.last_step_finite` is "
             "False."
         )
     _advanced("steps", s0.steps, s1.steps, 1)
     _advanced("skipped_steps", s0.skipped_steps, s1.skipped_steps, 0)
-    if int(_concrete("after_state", s1.consecutive_skips)) != 0:
+    if int(concrete("after_state", s1.consecutive_skips)) != 0:
         raise AssertionError(
             "`after_state.consecutive_skips` is "
             f"{int(np.asarray(s1.consecutive_skips))}, expected 0."
@@ -215,7 +214,7 @@ def assert_applied(
         jax.tree.leaves(after_params),
         strict=True,
     ):
-        x, y = _concrete("before_params", x), _concrete("after_params", y)
+        x, y = concrete("before_params", x), concrete("after_params", y)
         if x.shape != y.shape or x.dtype != y.dtype:
             raise AssertionError(
                 f"leaf {name!r} of `after_params` is {y.dtype}{list(y.shape)}, "
@@ -246,7 +245,7 @@ def _trajectory(states: Any) -> dict[str, np.ndarray | None]:
             ls = loss_scale_of(s)
         else:
             try:
-                st = _scaling_state_of(s, "states")
+                st = scaling_state_of(s, "states")
             except ValueError:
                 st = None
             if st is not None:
@@ -269,16 +268,16 @@ def _trajectory(states: Any) -> dict[str, np.ndarray | None]:
             {
                 k: None
                 if any(r[k] is None for r in rows)
-                else np.stack([_concrete("states", r[k]) for r in rows])
+                else np.stack([concrete("states", r[k]) for r in rows])
                 for k in rows[0]
             }
             if rows
             else {"loss_scale": np.zeros((0,), np.float32)}
         )
     if isinstance(states, np.ndarray | jax.Array):
-        return {"loss_scale": _concrete("states", states).astype(np.float32)}
+        return {"loss_scale": concrete("states", states).astype(np.float32)}
     one = from_one(states)
-    return {k: None if v is None else _concrete("states", v) for k, v in one.items()}
+    return {k: None if v is None else concrete("states", v) for k, v in one.items()}
 
 
 def assert_trajectory_matches(states: Any, expected: Sequence[SimStep]) -> None:

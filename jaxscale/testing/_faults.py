@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale._hooks import path_name
-from jaxscale._tree import is_float_leaf, saturating_increment
+from jaxscale._tree import is_float_leaf, path_name, saturating_increment
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 

@@ -56,7 +56,7 @@ def _bools(name: str, values: Any) -> list[bool]:
     return out
 
 
-def _concrete(name: str, x: Any) -> np.ndarray:
+def concrete(name: str, x: Any) -> np.ndarray:
     if isinstance(x, jax.core.Tracer):
         raise TypeError(
             f"`{name}` must hold concrete values, got a traced value: call this "
@@ -128,9 +128,9 @@ def simulate(
             f"hysteresis={loss_scale.hysteresis}."
         )
     seq = _bools("finite", finite)
-    scale = _F32(_concrete("loss_scale", loss_scale.loss_scale))
-    growth = int(_concrete("loss_scale", loss_scale.growth_tracker))
-    budget = int(_concrete("loss_scale", loss_scale.hysteresis_tracker))
+    scale = _F32(concrete("loss_scale", loss_scale.loss_scale))
+    growth = int(concrete("loss_scale", loss_scale.growth_tracker))
+    budget = int(concrete("loss_scale", loss_scale.hysteresis_tracker))
     step = {
         "jaxscale": _step_jaxscale,
         "torch": _step_torch,

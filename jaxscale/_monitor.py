@@ -1,18 +1,16 @@
 """Host-side hooks around a loss-scaled optimizer: :func:`monitor`.
 
 The callback fired on skipped steps and the warning when the scale sits at its
-floor, as a wrapper in the style of ``optax.chain``: the core
-:func:`jaxscale.dynamic_scaling` knows nothing of them, and the wrapper adds no
-state (so checkpoints do not depend on it). Also the per-leaf overflow flags the
-core computes on skipped steps.
+floor, as a wrapper in the style of ``optax``'s monitors: the core
+:func:`jaxscale.dynamic_scaling` decides, the monitor observes. It reads the
+per-leaf flags the core keeps in its state; the one counter only it needs
+(steps at the floor) lives in its own :class:`MonitorState`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -21,27 +19,13 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxscale import _nnx
+from jaxscale._args import check_int
+from jaxscale._composition import scaling_state_of
+from jaxscale._state import LeafFlags
 from jaxscale._tree import saturating_increment
 
-__all__ = [
-    "OverflowEvent",
-    "ScaleAtFloorWarning",
-    "monitor",
-    "path_name",
-]
-
-#: Name of the single leaf of a tree that is just one array.
-ROOT_NAME = "<root>"
-
-
-def path_name(path: Any) -> str:
-    """A readable name for a key path: ``"dense/kernel"``, ``"layers/0/w"``."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or ROOT_NAME
-
-
-def leaf_names(tree: Any) -> list[str]:
-    """The :func:`path_name` of every leaf of ``tree``, in flattening order."""
-    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+__all__ = ["MonitorState", "OverflowEvent", "ScaleAtFloorWarning", "monitor"]
 
 
 class OverflowEvent(NamedTuple):
@@ -96,8 +80,8 @@ class ScaleAtFloorWarning(RuntimeWarning):
     callback reaches your loop as ``jax.errors.JaxRuntimeError`` (on CPU:
     ``INTERNAL: CpuCallback error calling callback: ...``), raised by the step
     that fired, whose message ends with this warning's text. To stop a run with
-    an exception of your own, test ``jxs.diagnostics.summary(opt_state)["steps_at_floor"]``
-    where you log.
+    an exception of your own, test the monitor's own counter where you log
+    (``opt_state.steps_at_floor``, a :class:`MonitorState` field).
 
     Examples:
       >>> import jaxscale as jxs
@@ -107,72 +91,24 @@ class ScaleAtFloorWarning(RuntimeWarning):
 
 
 # --------------------------------------------------------------------------- #
-# Traced helpers: the flags (always, in ``dynamic_scaling``), the callbacks.
+# Traced helpers: the callbacks.
 # --------------------------------------------------------------------------- #
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["flags"], meta_fields=["names"]
-)
-@dataclasses.dataclass(frozen=True)
-class LeafFlags:
-    """Per-leaf overflow flags: one ``bool[n]`` array and the leaves' names.
-
-    ``DynamicScalingState.nonfinite_leaves`` holds one of these. One array
-    whatever the number of gradient leaves: every buffer of a jitted step's
-    state is an argument and a result of each call, and on an accelerator each
-    costs dispatch time (a scalar flag per leaf made a 100-leaf step 1.3 times
-    slower on an H100; docs/performance.md). The names are static (part of the
-    tree structure), so they cost nothing on the device.
-
-    Attributes:
-      flags: ``bool[n]``, true for each leaf that was non-finite after
-        unscaling on the last step, in flattening order of the gradients.
-      names: ``tuple[str, ...]``, each leaf's :func:`path_name`.
-    """
-
-    flags: Any
-    names: tuple[str, ...] = dataclasses.field(metadata={"static": True})
-
-
-def no_flags(params: Any) -> LeafFlags:
-    """All-``False`` :class:`LeafFlags` for the leaves of ``params`` (fresh)."""
-    names = tuple(leaf_names(params))
-    # No array at all for no leaves: checkpointers refuse zero-size arrays.
-    return LeafFlags(jnp.zeros((len(names),), jnp.bool_) if names else None, names)
-
-
-def flag_values(flags: Any) -> list[tuple[str, Any]]:
-    """``(name, flag)`` per gradient leaf, from :class:`LeafFlags` or from a
-    tree of ``bool[]`` flags (what a restored checkpoint or an ``nnx.State``
-    may hold)."""
-    if isinstance(flags, LeafFlags):
-        values = flags.flags
-        return [(n, values[i]) for i, n in enumerate(flags.names)]
-    if isinstance(flags, Mapping) and set(flags.keys()) == {
-        "flags"
-    }:  # LeafFlags, as a dict
-        values = flags["flags"]
-        values = getattr(values, "value", values)  # an ``nnx`` variable
-        return [(str(i), values[i]) for i in range(np.shape(values)[0])]
-    return list(zip(leaf_names(flags), jax.tree.leaves(flags), strict=True))
 
 
 def overflow_callback(
     on_overflow: Callable[[OverflowEvent], Any],
     skipped: jax.Array,
-    flags: Any,
+    flags: LeafFlags,
     step: jax.Array,
     loss_scale: jax.Array,
     next_loss_scale: jax.Array,
     consecutive_skips: jax.Array,
 ) -> None:
     """Calls ``on_overflow`` on the host, on skipped steps only (a ``lax.cond``)."""
-    if isinstance(flags, LeafFlags):
-        names, leaves = flags.names, flags.flags
-    else:
-        names = leaf_names(flags)
-        leaves = jnp.stack(jax.tree.leaves(flags) or [jnp.zeros((), jnp.bool_)])
+    names = flags.names
+    leaves = _nnx.unwrap(flags.flags)
+    if leaves is None:  # no gradient leaves
+        leaves = jnp.zeros((0,), jnp.bool_)
 
     def host(step, loss_scale, next_loss_scale, consecutive_skips, leaves):
         leaves = np.asarray(leaves).reshape(-1)
@@ -244,41 +180,53 @@ def make_options(on_overflow: Any, warn_at_floor_after: Any) -> Options | None:
     """Validates the hooks; ``None`` when neither is given."""
     if on_overflow is not None and not callable(on_overflow):
         raise TypeError(
-            "`on_overflow` must be None or a callable taking a jxs.diagnostics.OverflowEvent, "
+            "`on_overflow` must be None or a callable taking a "
+            "jxs.diagnostics.OverflowEvent, "
             f"got {on_overflow!r}."
         )
     if warn_at_floor_after is not None:
-        if isinstance(warn_at_floor_after, bool) or not isinstance(
-            warn_at_floor_after, int
-        ):
-            raise TypeError(
-                f"`warn_at_floor_after` must be an int or None, got "
-                f"{warn_at_floor_after!r}."
-            )
-        if not 1 <= warn_at_floor_after <= np.iinfo(np.int32).max:
-            raise ValueError(
-                f"`warn_at_floor_after` must be >= 1, got {warn_at_floor_after}."
-            )
+        warn_at_floor_after = check_int("warn_at_floor_after", warn_at_floor_after)
     if on_overflow is None and warn_at_floor_after is None:
         return None
     return Options(on_overflow, warn_at_floor_after)
 
 
-def count_at_floor(loss_scale: Any, count: jax.Array) -> jax.Array:
-    """``count + 1`` (saturating) if the new scale sits at its floor, else 0.
+class MonitorState(NamedTuple):
+    """State of :func:`monitor` with ``warn_at_floor_after``: the monitored
+    optimizer's state and the one counter only the floor warning needs.
 
-    Loss scales without a floor (static, no-op) keep ``count`` (always 0).
+    (A monitor with ``on_overflow`` alone adds no state: its state is ``tx``'s.)
+
+    Attributes:
+      inner_state: the state of the monitored transformation.
+      steps_at_floor: ``i32[]``, consecutive scaling steps after which the scale
+        sat at its floor (:meth:`LossScale.at_floor`).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> tx = jxs.diagnostics.monitor(
+      ...     jxs.dynamic_scaling(optax.sgd(0.1)), warn_at_floor_after=100)
+      >>> int(tx.init(jnp.zeros(2)).steps_at_floor)
+      0
     """
-    min_scale = getattr(loss_scale, "min_scale", None)
-    if min_scale is None:
-        return count
-    at_floor = loss_scale.loss_scale <= jnp.float32(min_scale)
-    return jnp.where(at_floor, saturating_increment(count), 0).astype(jnp.int32)
+
+    inner_state: Any
+    steps_at_floor: jax.Array
 
 
-def diagnose(options: Options, old: Any, new: Any) -> None:
+def count_at_floor(stepped: jax.Array, new: Any, count: jax.Array) -> jax.Array:
+    """``count + 1`` (saturating) after a scaling step that left the scale at
+    its floor, 0 after one that did not, ``count`` on other calls."""
+    at_floor = new.loss_scale.at_floor()
+    counted = jnp.where(at_floor, saturating_increment(count), 0)
+    return jnp.where(stepped, counted, count).astype(jnp.int32)
+
+
+def diagnose(options: Options, old: Any, new: Any, steps_at_floor: Any) -> None:
     """Fires the hooks for one ``update`` that turned scaling state ``old`` into
-    ``new`` (both :class:`DynamicScalingState`).
+    ``new`` (both :class:`DynamicScalingState`), after which the scale has sat
+    at its floor for ``steps_at_floor`` scaling steps (``None``: not counted).
 
     Only calls that ran the scaling step count (under ``jxs.accumulate`` the
     accumulating calls leave the state as it was). The per-leaf flags are in
@@ -296,7 +244,7 @@ def diagnose(options: Options, old: Any, new: Any) -> None:
             new.consecutive_skips,
         )
     if options.warn_at_floor_after is not None:
-        min_scale = getattr(new.loss_scale, "min_scale", None)
+        min_scale = new.loss_scale.floor
         if min_scale is None:
             raise ValueError(
                 "`warn_at_floor_after` needs a loss scale with a floor (a "
@@ -304,7 +252,7 @@ def diagnose(options: Options, old: Any, new: Any) -> None:
                 "whose scale never changes."
             )
         floor_callback(
-            stepped & (new.steps_at_floor == options.warn_at_floor_after),
+            stepped & (steps_at_floor == options.warn_at_floor_after),
             options.warn_at_floor_after,
             old.steps,
             min_scale,
@@ -326,8 +274,9 @@ def monitor(
 
     Wraps a transformation holding one :func:`dynamic_scaling` (that one, or
     ``jxs.accumulate(jxs.dynamic_scaling(...), k)``): ``init`` and the state are
-    ``tx``'s own, untouched, so a checkpoint written with or without the
-    monitor restores into either. After each ``update`` it compares the scaling
+    ``tx``'s own, untouched, so a checkpoint written with or without an
+    ``on_overflow`` monitor restores into either; ``warn_at_floor_after`` adds one
+    counter (:class:`MonitorState`). After each ``update`` it compares the scaling
     state before and after (no extra read of the gradients: the per-leaf flags
     are already in the state) and, through ``jax.debug.callback``:
 
@@ -335,7 +284,7 @@ def monitor(
       step, and only then (a ``lax.cond``);
     * ``warn_at_floor_after=n``: warns (:class:`ScaleAtFloorWarning`) once the
       scale has sat at its floor (``min_scale`` of a :class:`DynamicLossScale`)
-      for ``n`` consecutive steps.
+      for ``n`` consecutive steps, counted in :class:`MonitorState`.
 
     Only the code of the hooks you pass is traced; the callbacks run
     asynchronously (call ``jax.effects_barrier()`` before reading what they
@@ -348,7 +297,8 @@ def monitor(
         :class:`DynamicLossScale` (checked when ``update`` is traced).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state.
+      An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s, or
+      a :class:`MonitorState` around it with ``warn_at_floor_after``.
 
     Raises:
       TypeError: if ``tx`` is not a transformation or a hook has the wrong type.
@@ -377,19 +327,30 @@ def monitor(
     options = make_options(on_overflow, warn_at_floor_after)
     if options is None:
         raise ValueError(
-            "`jxs.diagnostics.monitor` needs at least one hook: pass `on_overflow=` and/or "
+            "`jxs.diagnostics.monitor` needs at least one hook: pass "
+            "`on_overflow=` and/or "
             "`warn_at_floor_after=`, got neither."
         )
     tx = optax.with_extra_args_support(tx)
+    counts = options.warn_at_floor_after is not None
+
+    def init_fn(params):
+        state = tx.init(params)
+        if not counts:
+            return state
+        return MonitorState(state, jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
-        from jaxscale._composition import find_state
-        from jaxscale._transform import DynamicScalingState
+        inner = state.inner_state if counts else state
+        new_updates, new_inner = tx.update(updates, inner, params, **extra_args)
+        old = scaling_state_of(inner, "state")
+        new = scaling_state_of(new_inner, "state")
+        if not counts:
+            diagnose(options, old, new, None)
+            return new_updates, new_inner
+        stepped = new.steps != old.steps
+        at_floor = count_at_floor(stepped, new, state.steps_at_floor)
+        diagnose(options, old, new, at_floor)
+        return new_updates, MonitorState(new_inner, at_floor)
 
-        new_updates, new_state = tx.update(updates, state, params, **extra_args)
-        old = find_state(state, DynamicScalingState, "state")[1]
-        new = find_state(new_state, DynamicScalingState, "state")[1]
-        diagnose(options, old, new)
-        return new_updates, new_state
-
-    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

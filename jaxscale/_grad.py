@@ -1,0 +1,165 @@
+"""The gradient of the scaled loss: :func:`value_and_grad`, :func:`loss_scale_of`.
+
+Above the finder (:mod:`jaxscale._composition`) and the NNX split
+(:mod:`jaxscale._nnx`): it hands its own differentiation into the split as an
+argument, so the split never calls back up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxscale import _nnx
+from jaxscale._composition import check_composition, find_state
+from jaxscale._loss_scale import LossScale
+
+__all__ = ["find_loss_scale", "loss_scale_of", "value_and_grad"]
+
+
+def loss_scale_of(opt_state: Any) -> LossScale:
+    """Finds the :class:`LossScale` inside any nested optimizer state.
+
+    Looks through :func:`accumulate`, a Flax ``TrainState`` (or anything with
+    an ``opt_state`` attribute, such as an ``nnx.Optimizer``) and any container,
+    and unwraps the ``nnx.OptArray`` variables NNX puts around state leaves. A
+    :class:`LossScale` passed in is returned as is.
+
+    It also checks, from the structure of the state alone (at trace time, at no
+    cost in the compiled step), that :func:`dynamic_scaling` is nested right: a
+    transformation chained in front of it (it would see *scaled* gradients), or
+    the wrapper inside ``optax.MultiSteps``, ``optax.multi_transform`` or
+    ``optax.masked``, raises a ``ValueError`` that says how to nest it;
+    ``optax.inject_hyperparams`` around it, or stateful transformations chained
+    after it, warn (:class:`CompositionWarning`). :func:`value_and_grad` calls
+    it, so every training step is checked.
+
+    Args:
+      opt_state: an optimizer state (or object holding one) that contains
+        exactly one :class:`LossScale`.
+
+    Returns:
+      The :class:`LossScale`, with plain arrays as leaves.
+
+    Raises:
+      ValueError: if there is no loss scale, or more than one, in ``opt_state``,
+        or if ``jxs.dynamic_scaling`` is nested wrongly (see
+        :class:`CompositionWarning` for the orders that only warn).
+      TypeError: if ``opt_state`` is a number (use :class:`StaticLossScale`).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp, optax
+      >>> tx = jxs.accumulate(jxs.dynamic_scaling(optax.adam(1e-3)), every_k=2)
+      >>> jxs.loss_scale_of(tx.init(jnp.zeros(3))).loss_scale
+      Array(65536., dtype=float32)
+
+      Wrong nestings are refused, e.g. a clip that would see scaled gradients:
+
+      >>> tx = optax.chain(optax.clip(1.0), jxs.dynamic_scaling(optax.adam(1e-3)))
+      >>> jxs.loss_scale_of(tx.init(jnp.zeros(3)))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+        ...
+      ValueError: `opt_state`: `jxs.dynamic_scaling` is element 1 of an ...: ...
+    """
+    return find_loss_scale(opt_state, "opt_state")
+
+
+def find_loss_scale(opt_state: Any, name: str) -> LossScale:
+    """:func:`loss_scale_of`, naming the argument ``name`` in its errors."""
+    if isinstance(opt_state, LossScale):
+        return jax.tree.map(_nnx.unwrap, opt_state, is_leaf=_nnx.is_variable)
+    if isinstance(opt_state, int | float | np.number) or (
+        isinstance(opt_state, jax.Array | np.ndarray) and np.ndim(opt_state) == 0
+    ):
+        shown = (  # a Python number, also for a NumPy / concrete jax scalar
+            opt_state
+            if isinstance(opt_state, int | float | jax.core.Tracer)
+            else opt_state.item()
+        )
+        raise TypeError(
+            f"`{name}` must be a jxs.LossScale or an optimizer state holding one, "
+            f"got the number {opt_state!r}. For a fixed scale pass "
+            f"`jxs.StaticLossScale.create({shown!r})`; for dynamic scaling pass "
+            "the state of `jxs.dynamic_scaling(inner)`."
+        )
+    _, found = find_state(opt_state, LossScale, name)
+    check_composition(opt_state, name)
+    return found
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, differentiating the *scaled* loss.
+
+    The returned function computes ``fun(*args)``, multiplies the loss by the
+    current scale (:meth:`LossScale.scale`) and differentiates that. It returns
+    the **unscaled** loss (as ``fun`` returned it) and the **scaled** gradients,
+    ready for the ``update`` of :func:`dynamic_scaling`, which unscales them.
+
+    Compute the loss's final reduction in float32 (as torch's autocast does): a
+    float16 loss cannot carry a scale above 65504 through the backward pass (the
+    step overflows and the scale backs off until it fits).
+
+    Flax NNX: pass the modules themselves, as to ``nnx.value_and_grad``
+    (``jxs.value_and_grad(loss_fn, optimizer)(model, x)``). The ``wrt``
+    variables (the optimizer's, else ``nnx.Param``) of the modules at
+    ``argnums`` are differentiated and their gradients come back as
+    ``nnx.State``; the modules' other state (BatchNorm statistics, RNG counts)
+    and any other NNX object among the arguments (an ``nnx.Rngs``) are updated
+    in place, as ``nnx.value_and_grad`` updates them. See the Flax guide.
+
+    Args:
+      fun: the loss function; returns a scalar, or ``(scalar, aux)`` with
+        ``has_aux=True``.
+      loss_scale: a :class:`LossScale`, or any state containing one (the
+        optimizer state, a ``TrainState``, an ``nnx.Optimizer``; see
+        :func:`loss_scale_of`).
+      argnums: which positional argument(s) to differentiate, as in JAX.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function with ``fun``'s signature returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux=True``. It raises a ``TypeError``
+      if ``argnums`` mixes NNX modules with other arguments, or if an argument
+      holds an NNX object inside a container.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> ls = jxs.StaticLossScale.create(1024.0)
+      >>> loss, grads = jxs.value_and_grad(lambda w: jnp.sum(w * w), ls)(jnp.ones(2))
+      >>> loss, grads
+      (Array(2., dtype=float32), Array([2048., 2048.], dtype=float32))
+    """
+    ls = find_loss_scale(loss_scale, "loss_scale")
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        return ls.scale(loss), (loss, aux)
+
+    grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+
+    def scaled_grad(f: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        # What the NNX split differentiates its pure function with.
+        return value_and_grad(f, ls, **options)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if _nnx.has_objects(args, kwargs):  # Flax NNX: split, differentiate, update
+            split = _nnx.NnxArgs(args, kwargs, argnums, _nnx.default_wrt(loss_scale))
+            call, rest, finish = split.grad_call(scaled_grad, fun, has_aux)
+            out, grads, rest = call(args, kwargs, rest)
+            return out, finish(grads, rest)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped

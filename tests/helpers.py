@@ -1,0 +1,72 @@
+"""Helpers shared by the test files, as equinox's ``tests/helpers.py``.
+
+Fixtures and the strict modes stay in ``conftest.py``; plain functions that
+several test files use live here (``from helpers import relaxed``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import optax
+from jax.extend import core as jcore
+
+
+def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` traced under standard dtype promotion (optax's own code needs it).
+
+    The suite runs with ``jax_numpy_dtype_promotion="strict"`` (see conftest.py);
+    some optax optimizers (adam, adafactor) promote implicitly themselves, so
+    tests wrap them in this, which relaxes promotion *only* while tracing the
+    inner optimizer, never jaxscale's own code.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(updates, state, params=None, **extra):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _jaxprs_in_params(params) -> Iterator[jcore.Jaxpr]:
+    """``jax.extend.core.jaxprs_in_params`` (absent from jax 0.7.0, the floor)."""
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jcore.Jaxpr):
+                yield v
+
+
+def all_eqns(jaxpr) -> Iterator[jcore.JaxprEqn]:
+    """Every equation of a jaxpr (closed or not) and of its sub-jaxprs."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def run_script(
+    script: Path, *args: str, cwd: Path, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``python script *args`` in ``cwd``, output captured, with a headless
+    matplotlib backend in case the script draws a plot."""
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,182 @@
+"""The autocast wing's structure: one behaviour object per rule class, the
+higher-order primitives listed once, and JAX's private API behind one module."""
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale as jxs
+from jaxscale import _autocast_interp as interp
+from jaxscale._autocast_census import INLINE_HANDLERS
+from jaxscale._autocast_hop import BY_CONSTRUCT, HANDLERS
+from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule, resolve_rules
+
+pytestmark = pytest.mark.unit
+
+PACKAGE = pathlib.Path(jxs.__file__).resolve().parent
+WING = sorted(PACKAGE.glob("_autocast*.py"))
+
+
+def test_every_rule_class_has_one_behaviour():
+    assert set(interp.RULE_CLASSES) == set(AutocastRule)
+    for rule, behaviour in interp.RULE_CLASSES.items():
+        assert isinstance(behaviour, interp.RuleClass), rule
+        with pytest.raises(AttributeError):  # stateless: no attributes at all
+            behaviour.state = 1
+
+
+def test_the_table_uses_only_registered_classes():
+    assert set(resolve_rules(None).values()) <= set(interp.RULE_CLASSES)
+
+
+def test_the_interpreter_names_no_rule_class_in_its_loop():
+    """Behaviour is dispatched through the registry: ``eval_eqn`` mentions only
+    TRACED (owned regions, unknown higher-order primitives), PROMOTE (unknown
+    first-order ones) by name."""
+    tree = ast.parse(pathlib.Path(interp.__file__).read_text())
+    loop = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name == "eval_eqn"
+    )
+    named = {
+        n.attr
+        for n in ast.walk(loop)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in ("Rule", "AutocastRule")
+    }
+    assert named <= {"TRACED", "PROMOTE"}, named
+    compares = [
+        n
+        for n in ast.walk(loop)
+        if isinstance(n, ast.Compare)
+        and any(isinstance(op, ast.Is | ast.IsNot) for op in n.ops)
+        and any(
+            isinstance(c, ast.Attribute) and getattr(c.value, "id", "") == "Rule"
+            for c in n.comparators
+        )
+    ]
+    assert not compares, [ast.unparse(c) for c in compares]
+
+
+def test_a_new_rule_class_is_one_object():
+    """A class added through the registry alone runs, with its own emission:
+    here every ``exp`` replaced by ``exp2(x * log2(e))`` in float32."""
+
+    class Exp2(interp.RuleClass):
+        __slots__ = ()
+
+        def cast_operands(self, it, eqn, vals, infos, traced):
+            return [it.cast(v, np.dtype("float32")) for v in vals], None
+
+        def emit(self, it, eqn, params, vals):
+            return [jax.lax.exp2(vals[0] * np.float32(np.log2(np.e)))]
+
+    classes = dict(interp.RULE_CLASSES, **{AutocastRule.FLOAT32: Exp2()})
+    table = resolve_rules({"exp": "float32"})
+    it = interp.Interpreter(np.dtype("float16"), table, HANDLERS, classes)
+    closed = jax.make_jaxpr(jnp.exp)(jnp.ones(3, jnp.float16))
+    outs, _ = it.eval_closed(closed, [jnp.ones(3, jnp.float16)])
+    assert outs[0].dtype == jnp.float32
+    np.testing.assert_allclose(outs[0], np.e, rtol=1e-6)
+    assert "exp2" in str(
+        jax.make_jaxpr(lambda x: it.eval_closed(closed, [x])[0])(
+            jnp.ones(3, jnp.float16)
+        )
+    )
+
+
+def test_higher_order_names_are_listed_once():
+    """``HANDLERS`` (and the report's handlers) are derived from ``HIGHER_ORDER``,
+    through the construct each name is; every construct has a handler."""
+    assert set(HANDLERS) == set(HIGHER_ORDER)
+    assert set(INLINE_HANDLERS) == set(HIGHER_ORDER)
+    assert set(BY_CONSTRUCT) == set(HIGHER_ORDER.values())
+    for name, construct in HIGHER_ORDER.items():
+        assert HANDLERS[name] is BY_CONSTRUCT[construct]
+    assert not set(HIGHER_ORDER) & set(resolve_rules(None))
+
+
+def test_higher_order_primitives_accept_only_traced():
+    for name in HIGHER_ORDER:
+        assert jxs.autocast_rules({name: "traced"})[name] is AutocastRule.TRACED
+        with pytest.raises(ValueError, match="higher-order primitive"):
+            jxs.autocast_rules({name: "keep"})
+
+
+def test_private_jax_only_in_the_adapter():
+    offenders = [
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "jax._src" in p.read_text() and p.name != "_jax_private.py"
+    ]
+    assert not offenders, offenders
+
+
+def test_the_adapter_is_the_ground_floor():
+    tree = ast.parse((PACKAGE / "_jax_private.py").read_text())
+    imported = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    assert imported <= {"__future__", "collections", "contextlib", "typing", "jax"}
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text())
+    return [
+        (n, a.name)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("jaxscale")
+        for a in n.names
+    ], tree
+
+
+@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+def test_no_private_name_crosses_modules(path):
+    found, _ = _imports(path)
+    private = [f"{n.module}.{name}" for n, name in found if name.startswith("_")]
+    assert not private, private
+
+
+@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+def test_no_function_local_imports_of_jaxscale(path):
+    _, tree = _imports(path)
+    local = [
+        n.module
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("jaxscale")
+    ]
+    assert not local, local
+
+
+# The floors of the wing, bottom first: a module imports only lower floors (the
+# modules outside the wing that it uses are on the ground floor).
+OUTSIDE = {"_cotangents", "_nnx", "_policy"}
+FLOORS = [
+    {"_jax_private", "_autocast_rules", "_autocast_report_text", *OUTSIDE},
+    {"_autocast_values"},
+    {"_autocast_interp"},
+    {"_autocast_hop"},
+    {"_autocast"},
+    {"_autocast_census"},
+    {"_autocast_report"},
+]
+
+
+@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+def test_imports_flow_one_way(path):
+    floor = next(i for i, f in enumerate(FLOORS) if path.stem in f)
+    below = set().union(*FLOORS[:floor])
+    found, _ = _imports(path)
+    modules = {n.module.removeprefix("jaxscale.") for n, _ in found}
+    assert modules <= below, modules - below
