@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxscale._state import DynamicScalingState, LeafFlags
+from jaxscale._state import DynamicScalingState, LeafFlags, no_flags_named
 from jaxscale._tree import ROOT_NAME, leaf_names
 
 __all__ = ["register_flax_serialization", "upgrade_checkpoint"]
@@ -183,7 +183,7 @@ def _current(old: Any, target: DynamicScalingState, layout: str) -> Any:
     if layout == "0.2.0":
         flags = old.nonfinite_leaves
     elif layout == "0.1.0":
-        flags = no_flags_like(names)
+        flags = no_flags_named(names)
     else:
         got = dict(
             zip(
@@ -203,11 +203,6 @@ def _current(old: Any, target: DynamicScalingState, layout: str) -> Any:
         consecutive_skips=old.consecutive_skips,
         nonfinite_leaves=flags,
     )
-
-
-def no_flags_like(names: tuple[str, ...]) -> LeafFlags:
-    """All-``False`` flags for leaves named ``names``."""
-    return LeafFlags(jnp.zeros((len(names),), jnp.bool_) if names else None, names)
 
 
 _LAYOUTS = ("0.3", "0.2.0", "0.1.0", "0.1.0 (track_nonfinite=True)")

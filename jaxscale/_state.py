@@ -19,7 +19,13 @@ from jaxscale import _nnx
 from jaxscale._loss_scale import LossScale
 from jaxscale._tree import leaf_names
 
-__all__ = ["DynamicScalingState", "LeafFlags", "flag_values", "no_flags"]
+__all__ = [
+    "DynamicScalingState",
+    "LeafFlags",
+    "flag_values",
+    "no_flags",
+    "no_flags_named",
+]
 
 
 @functools.partial(
@@ -49,7 +55,12 @@ class LeafFlags:
 
 def no_flags(params: Any) -> LeafFlags:
     """All-``False`` :class:`LeafFlags` for the leaves of ``params`` (fresh)."""
-    names = tuple(leaf_names(params))
+    return no_flags_named(tuple(leaf_names(params)))
+
+
+def no_flags_named(names: tuple[str, ...]) -> LeafFlags:
+    """All-``False`` :class:`LeafFlags` for leaves named ``names`` (fresh; no
+    array at all for no leaves: checkpointers refuse zero-size arrays)."""
     return LeafFlags(jnp.zeros((len(names),), jnp.bool_) if names else None, names)
 
 
