@@ -29,9 +29,11 @@ tokens, 10.5M params in 86 leaves), and a leaf-count sweep (about 4M params in
 Parameters are float32 master weights; the losses compute in float16 and reduce
 in float32. Every step is jitted with ``donate_argnums`` on params and state.
 
-Targets (issue "A small core at the memory bound"): step ratio <= 1.02 (MLP)
-and <= 1.03 (transformer); compile ratio <= 1.3; extra bytes on the finite
-path <= 1.5 gradient passes. docs/performance.md has a run and the discussion.
+Targets on XLA:CPU (issue "GPU first"): step ratio <= 1.05 (MLP, transformer)
+and <= 1.15 (leaf sweep); compile ratio <= 1.3; extra bytes on the finite path
+<= 1.5 gradient passes. XLA:CPU is where the results are checked, not where the
+design is chosen (jaxscale's step has no branch, for GPUs): docs/performance.md
+has a run and the discussion, and ``benchmarks/gpu.py`` measures a GPU.
 
 Run::
 
@@ -67,7 +69,7 @@ LR = 1e-4
 # A scale at which these models' float16 backward passes stay finite, so every
 # timed step takes the common (applied) path; growth is off for the run.
 INIT_SCALE = 2.0**10
-TARGETS = {"mlp": 1.02, "transformer": 1.03}
+TARGETS = {"mlp": 1.05, "transformer": 1.05}  # the leaf sweep: 1.15
 
 
 # --------------------------------------------------------------------------- #
@@ -324,7 +326,7 @@ def report(
         )
     r_scaled = med["scaled"] / bare
     r_read = med["extraread"] / bare
-    target = TARGETS.get(model, 1.03)
+    target = TARGETS.get(model, 1.15)
     bound = 1.0 + 1.5 * max(r_read - 1.0, 0.0)
     print(f"  scaled/bare    = {r_scaled:.4f}  (overhead {100 * (r_scaled - 1):+.2f}%)")
     print(f"  extraread/bare = {r_read:.4f}  (overhead {100 * (r_read - 1):+.2f}%)")
@@ -372,6 +374,9 @@ def _bytes_of(text: str) -> int:
     return total
 
 
+_MOVES = ("fusion", "copy", "transpose")
+
+
 def executed_path(hlo: str) -> tuple[int, int]:
     """``(fusions, bytes)`` on the path a *finite* step executes.
 
@@ -379,7 +384,8 @@ def executed_path(hlo: str) -> tuple[int, int]:
     targets and only the ``true_computation`` of every ``conditional`` (the
     finite branch of jaxscale's ``lax.cond``s: the exact check's fallback and
     the skip branch are not run). Bytes are XLA's convention for a fusion:
-    its output plus its operands, from the shapes in the HLO text.
+    its output plus its operands, from the shapes in the HLO text; copies and
+    transposes outside fusions count the same way (they move memory too).
     """
     comps: dict[str, list[str]] = {}
     entry, current = None, None
@@ -408,8 +414,11 @@ def executed_path(hlo: str) -> tuple[int, int]:
                 continue
             out_type, op, rest = parts.groups()
             shapes[var] = out_type
-            if op == "fusion":
-                fusions += 1
+            if op in _MOVES:
+                # A kernel of its own that reads and writes memory: a fusion,
+                # or a copy or transpose outside one (copy insertion's copies
+                # of donated buffers, layout changes).
+                fusions += op == "fusion"
                 args = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
                 nbytes += _bytes_of(out_type) + sum(
                     _bytes_of(shapes.get(a, "")) for a in args

@@ -8,10 +8,10 @@ one run of the inner optimizer:
   micro-batches with ``lax.scan`` and hands the mean scaled gradients to
   ``tx.update`` once.
 * :func:`accumulate`: an optax wrapper for loops that call ``update`` once per
-  micro-batch (the ``optax.MultiSteps`` pattern), without its two traps: the
-  inner update runs only on the ``k``-th call (a ``lax.cond``), and the
+  micro-batch (the ``optax.MultiSteps`` pattern), without its trap: the
   accumulator is reset to real zeros, so an overflowing window cannot poison the
-  next one with ``0 * inf = NaN``.
+  next one with ``0 * inf = NaN``. Like ``MultiSteps`` it is branch-free: the
+  inner update runs on every call and is kept on the ``k``-th only.
 """
 
 from __future__ import annotations
@@ -93,19 +93,20 @@ def accumulate(
       updates (``optax.apply_updates`` leaves parameters bit-identical); the
       inner state, and so the loss scale, does not change within the window;
     * the ``every_k``-th call passes the mean ``grad_sum / every_k``, cast back
-      to the gradients' dtype, to ``inner`` once (a ``lax.cond``: on the other
-      calls ``inner`` does not run at all). Inside :func:`dynamic_scaling` this
+      to the gradients' dtype, to ``inner`` and keeps what it returns. The
+      other calls run ``inner`` too and discard its result (selects, no
+      ``lax.cond``: XLA:GPU reads a conditional's predicate on the host, a
+      round trip per call; see the performance page), so host callbacks inside
+      ``inner`` fire on every call. Inside :func:`dynamic_scaling` this
       is the one finiteness check of the window: an ``inf`` or ``NaN`` in any
       micro-batch makes the mean non-finite, the whole effective step is
       skipped and the scale backs off;
     * then ``grad_sum`` is reset to real zeros (a select, never ``0 * sum``), so
       the window after an overflow trains normally.
 
-    Unlike ``optax.MultiSteps``, which runs the inner update on every call and
-    resets its accumulator as ``(1 - emit) * acc`` (``0 * inf = NaN`` after an
-    overflowing window, so every later window is skipped); see the
-    accumulation guide. Under ``vmap`` the ``lax.cond`` becomes a select and
-    both branches run.
+    Unlike ``optax.MultiSteps``, which resets its accumulator as
+    ``(1 - emit) * acc`` (``0 * inf = NaN`` after an overflowing window, so
+    every later window is skipped); see the accumulation guide.
 
     Args:
       inner: the transformation to run once per effective batch, normally

@@ -29,33 +29,28 @@ __all__ = ["clip_by_global_norm", "global_norm"]
 def overflow_safe_norm(leaves: list[jax.Array], dtype: Any) -> jax.Array:
     """``sqrt(sum(x**2))`` over the leaves, accumulated in ``dtype``.
 
-    One pass (square and sum, as optax does) in the common case. Only if that sum
-    overflows ``dtype`` (a norm above about ``1.8e19`` in float32) a second pass,
-    behind a ``lax.cond``, rescales by the largest magnitude first, so a finite
-    tree always has a finite norm. ``inf`` in the tree gives ``inf``, ``NaN``
-    gives ``NaN``.
+    Branch-free and from one read of each leaf: beside the sum of squares (as
+    optax computes it) the same pass sums the squares of ``x * 2**-k``
+    (``k = 5/8`` of the dtype's largest exponent: 80 for float32). Where the
+    first sum overflows (a norm above about ``1.8e19`` in float32) the norm is
+    ``2**k`` times the second's root: every finite tree has a finite norm. The
+    elements the second sum flushes to zero (below ``2**17`` in float32) are
+    then at most a ``2**-64``-th of the total each. ``inf`` in the tree gives
+    ``inf``, ``NaN`` gives ``NaN``. (No ``lax.cond``: XLA:GPU reads a
+    conditional's predicate on the host.)
     """
     if not leaves:
         return jnp.zeros((), dtype)
-    wide = [x.astype(dtype) for x in leaves]
+    k = (jnp.finfo(dtype).maxexp * 5) // 8
+    down = jnp.asarray(2.0**-k, dtype)
     sumsq = jnp.zeros((), dtype)
-    for x in wide:
+    small = jnp.zeros((), dtype)
+    for x in leaves:
+        x = x.astype(dtype)
         sumsq = sumsq + jnp.sum(jnp.square(x))
-
-    def direct(_):
-        return jnp.sqrt(sumsq)
-
-    def rescaled(_):
-        m = jnp.zeros((), dtype)
-        for x in wide:
-            m = jnp.maximum(m, jnp.max(jnp.abs(x), initial=0.0))
-        safe = jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones((), dtype))
-        s = jnp.zeros((), dtype)
-        for x in wide:
-            s = s + jnp.sum(jnp.square(x / safe))
-        return jnp.where(jnp.isfinite(m), safe * jnp.sqrt(s), m)
-
-    return lax.cond(jnp.isfinite(sumsq), direct, rescaled, None)
+        small = small + jnp.sum(jnp.square(x * down))
+    rescaled = jnp.sqrt(small) * jnp.asarray(2.0**k, dtype)
+    return jnp.where(jnp.isfinite(sumsq), jnp.sqrt(sumsq), rescaled)
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -65,8 +60,8 @@ def global_norm(tree: Any) -> jax.Array:
     is float64), so float16 and bfloat16 gradients give the same norm as their
     float32 copies; ``optax.tree.norm`` accumulates in the leaves' own dtype and
     returns ``inf`` for a float16 tree whose norm exceeds 65504. If even the
-    float32 sum of squares overflows, the norm is recomputed with a rescaling
-    (behind a ``lax.cond``, so the common case is one pass), so any finite tree
+    float32 sum of squares overflows, the norm comes from a second sum of
+    rescaled squares taken in the same pass (no branch), so any finite tree
     has a finite norm. Integer, boolean and ``None`` leaves are ignored; an
     ``inf`` element gives ``inf`` and a ``NaN`` gives ``NaN``.
 

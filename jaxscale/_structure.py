@@ -18,8 +18,6 @@ from jaxscale import _nnx
 __all__ = ["check_updates_match_params", "explain_structure_errors"]
 
 _MAX_PATHS = 5
-# JAX's message when the two branches of ``lax.cond`` differ in type.
-_COND_ERROR = "cond branches must have equal output types"
 # Messages of JAX's own tree-structure errors (tree_map over mismatched trees).
 _TREE_ERRORS = (
     "pytree structure error",
@@ -95,28 +93,13 @@ def check_updates_match_params(updates: Any, params: Any) -> None:
 
 @contextlib.contextmanager
 def explain_structure_errors(updates: Any, inner_state: Any) -> Iterator[None]:
-    """Re-raises the inner optimizer's structure and state-type errors with context.
+    """Re-raises the inner optimizer's tree-structure errors with context.
 
     A tree-structure error happens when ``params`` is not passed, so the expected
-    structure is only known to the inner optimizer (from ``init(params)``). A
-    ``lax.cond`` type error means the inner update changed its state's dtypes.
+    structure is only known to the inner optimizer (from ``init(params)``).
     """
     try:
         yield
-    except TypeError as e:
-        if not str(e).startswith(_COND_ERROR):
-            raise
-        raise TypeError(
-            "The inner optimizer's `update` returned a state whose dtypes or shapes "
-            "differ from the state it was given. `jxs.dynamic_scaling` needs them "
-            "equal: a skipped step returns the given state unchanged. A common "
-            "cause is an integer leaf in `params` with an optimizer such as "
-            "`optax.adam` (its moments start as integer zeros and come back "
-            "float): keep integer leaves out of the differentiated parameters, or "
-            "leave them to `optax.set_to_zero()` through `optax.multi_transform`. "
-            "In the details below, path [1] is the inner state. Details: "
-            f"{e}"
-        ) from e
     except ValueError as e:
         if not str(e).startswith(_TREE_ERRORS):
             raise

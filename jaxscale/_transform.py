@@ -25,7 +25,7 @@ from jaxscale._structure import (
     check_updates_match_params,
     explain_structure_errors,
 )
-from jaxscale._tree import is_float_leaf, saturating_increment, widen
+from jaxscale._tree import compute_dtype, is_float_leaf, saturating_increment, widen
 
 __all__ = ["dynamic_scaling"]
 
@@ -64,14 +64,26 @@ def _nonfinite(g: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
     """``bool[]``: does the unscaled leaf hold an ``inf`` or a ``NaN``?
 
     Exact, in the leaf's own dtype (as :func:`unscale_leaf` rounds it), for
-    every scale: one fused read of the gradient. (A float32 sum per leaf, finite
-    only if every term is, reads as fast on XLA:CPU but needs an exact fallback
-    where it overflows; a variadic ``reduce`` over "no inf" and "no NaN" is
-    partitioned into all-gathers under sharded ``jit``: docs/performance.md.)
+    every scale, and one plain reduction: ``isnan(sum(x * 0))``. Each term is
+    ``0`` for a finite element and ``NaN`` for ``inf`` or ``NaN`` (IEEE
+    ``inf * 0``), so the sum cannot overflow and is ``NaN`` exactly when some
+    element is not finite; XLA does not fold ``x * 0`` for floats. A sum is the
+    reduction every backend emits best (XLA:CPU splits ``all(isfinite(x))``
+    into a materialised mask and a tree of window reductions); a max of
+    ``|x|`` is not exact (XLA:CPU's max can drop a ``NaN``).
     """
     if not is_float_leaf(g):
         return jnp.zeros((), jnp.bool_)
-    return ~jnp.all(jnp.isfinite(unscale_leaf(g, hi, lo)))
+    g = jnp.asarray(g)
+    c = compute_dtype(g.dtype)
+    # ``g * (hi * lo)``, not ``unscale_leaf``'s ``g * hi * lo``: another
+    # expression, so XLA does not share (and materialise) it with ``inner``'s
+    # unscaling but fuses it into this reduction, which reads ``g`` once. It
+    # overflows exactly where ``unscale_leaf`` does: ``lo`` is 1, or ``2**-64``
+    # for scales above ``2**126``, where nothing finite can overflow (and a
+    # flushed ``hi * lo`` still maps ``inf`` to ``NaN``).
+    x = (g.astype(c) * (hi * lo).astype(c)).astype(g.dtype)
+    return jnp.isnan(jnp.sum(x * jnp.zeros((), x.dtype)))
 
 
 def _check(
@@ -87,7 +99,12 @@ def _check(
     bad = jnp.stack([_nonfinite(g, hi, lo) for g in leaves])
     if axis_name is not None:  # one decision and one set of flags per axis
         bad = _distributed.any_replica(bad, axis_name)
-    return ~jnp.any(bad), bad
+    # ``any(bad)`` as the last element of the sorted flags: XLA simplifies a
+    # reduction of the stacked flags into an ``n``-operand ``or`` and fuses a
+    # copy of it into every leaf's select (``n**2`` operands); a ``sort`` is
+    # not fused into its consumers, so each select reads one ``bool``
+    # (tests/test_compiled_step.py).
+    return ~jnp.sort(bad)[-1], bad
 
 
 def _master_weight_update(
@@ -143,15 +160,18 @@ def dynamic_scaling(
     :func:`value_and_grad`). It unscales them, checks that every unscaled
     gradient is finite (exactly, in each leaf's dtype, for any scale), and then:
 
-    * finite step: runs ``inner`` on the unscaled gradients and returns its
-      updates;
-    * non-finite step: does **not** run ``inner``; returns updates of ``-0.0``
-      (so ``optax.apply_updates`` leaves every parameter bit-identical, signed
-      zeros included) and the inner state unchanged.
+    * finite step: returns the updates of ``inner`` on the unscaled gradients;
+    * non-finite step: discards what ``inner`` computed; returns updates of
+      ``-0.0`` (so ``optax.apply_updates`` leaves every parameter
+      bit-identical, signed zeros included) and the inner state unchanged, bit
+      for bit.
 
     Either way the loss scale is adjusted (:meth:`LossScale.adjust`) and the
-    counters in :class:`DynamicScalingState` advance. Everything happens in XLA:
-    no host synchronisation, no retrace when the scale changes, fixed state shapes
+    counters in :class:`DynamicScalingState` advance. Everything happens in XLA
+    and without a branch (``inner`` runs on every step, its effect selected
+    away on a skipped one, the selects fused into its own passes): no host
+    round trip on a GPU for the decision, no host synchronisation, no retrace
+    when the scale changes, fixed state shapes
     and dtypes (so a whole loop can run in ``lax.scan``), and ``init`` returns
     fresh buffers on every call (safe with ``donate_argnums``).
 
@@ -289,12 +309,9 @@ def dynamic_scaling(
                 inner, grads, inner_state, params, hi, lo, extra_args
             )
 
-        # ``inner`` runs on finite steps only. Measured against a select (inner
-        # on every step, its effect masked away, fused with the caller's
-        # ``apply_updates``): no faster on an H100, slower on XLA:CPU, where the
-        # fused passes read transposed gradients with strides; and XLA fuses the
-        # decision into every masked leaf, a compile time quadratic in the
-        # number of leaves (docs/performance.md).
+        # ``inner`` runs on every step and a skipped step's effect is selected
+        # away (``_skip``): no ``lax.cond``, whose predicate XLA:GPU copies to
+        # the host before it branches (docs/performance.md).
         with explain_structure_errors(updates, state.inner_state):
             new_updates, new_inner = update_or_skip(
                 finite, apply, (updates, state.inner_state), lambda op: op[1]

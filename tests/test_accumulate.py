@@ -259,17 +259,21 @@ def test_accumulate_equals_one_large_batch_per_window(k):
 
 
 @pytest.mark.isa
-def test_k1_is_plain_dynamic_scaling_bit_for_bit():
-    # A float32 loss: the two programs differ in structure, and XLA:CPU's float16
-    # arithmetic may round differently across fusions on other instruction sets.
+def test_k1_is_plain_dynamic_scaling():
+    # The two programs differ in structure, so XLA fuses (and may contract to
+    # FMAs) adam's arithmetic differently: equal to a few ulps, not bit for bit
+    # (STYLE.md, "Lessons"); the scale and the counters are exact.
     mbs = micro_batches(4, 1)
     inner = lambda: jxs.dynamic_scaling(relaxed(optax.adam(1e-2)))  # noqa: E731
     p1, s1, _ = run_windows(
         jxs.accumulate(inner(), 1), init_params(), mbs, grad_fn=loss_fn_f32
     )
     p2, s2, _ = run_windows(inner(), init_params(), mbs, grad_fn=loss_fn_f32)
-    assert_bit_identical(p1, p2)
-    assert_bit_identical(s1.inner_state, s2)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)  # noqa: E731
+    jax.tree.map(close, p1, p2)
+    jax.tree.map(close, s1.inner_state, s2)
+    assert_bit_identical(s1.inner_state.loss_scale, s2.loss_scale)
+    assert int(s1.inner_state.steps) == int(s2.steps) == 4
 
 
 @pytest.mark.isa
@@ -330,65 +334,43 @@ def test_inner_runs_once_per_window_state_counter():
     assert int(state.inner_state.steps) == windows
 
 
-def test_inner_runs_once_per_window_host_callback():
-    calls = []
+def test_inner_runs_on_every_call_and_counts_once_per_window():
+    # Branch-free (no lax.cond, whose predicate XLA:GPU reads on the host):
+    # ``inner`` runs on every call, as in optax.MultiSteps, but its effect
+    # (state, updates) is kept on the k-th call only; extra args reach it on
+    # every call.
+    calls, seen = [], []
 
     def probe():
         def init(params):
             del params
-            return optax.EmptyState()
-
-        def update(updates, state, params=None):
-            jax.debug.callback(lambda: calls.append(1))
-            return updates, state
-
-        return optax.GradientTransformation(init, update)
-
-    k = 3
-    tx = jxs.accumulate(jxs.dynamic_scaling(optax.chain(probe(), optax.sgd(0.1))), k)
-    run_windows(tx, init_params(), micro_batches(2, k))
-    jax.effects_barrier()
-    assert len(calls) == 2
-
-    # optax.MultiSteps runs the whole inner update on every micro-step (and
-    # jxs.value_and_grad refuses the nesting, so feed it gradients directly).
-    calls.clear()
-    ms = optax.MultiSteps(jxs.dynamic_scaling(optax.chain(probe(), optax.sgd(0.1))), k)
-    params = init_params()
-    state = ms.init(params)
-    update = jax.jit(ms.update)
-    grads = jax.tree.map(jnp.ones_like, params)
-    with jax.numpy_dtype_promotion("standard"):
-        for _ in range(2 * k):
-            _, state = update(grads, state, params)
-    jax.effects_barrier()
-    assert len(calls) == 2 * k
-    with pytest.raises(ValueError, match="MultiStepsState"):
-        run_windows(ms, init_params(), micro_batches(1, k))
-
-
-def test_extra_args_forwarded_on_the_boundary():
-    seen = []
-
-    def needs_value():
-        def init(params):
-            del params
-            return optax.EmptyState()
+            return {"calls": jnp.zeros((), jnp.int32)}
 
         def update(updates, state, params=None, *, value):
-            jax.debug.callback(seen.append, value)
-            return updates, state
+            jax.debug.callback(calls.append, value)
+            return updates, {"calls": state["calls"] + 1}
 
         return optax.GradientTransformationExtraArgs(init, update)
 
-    tx = jxs.accumulate(jxs.dynamic_scaling(needs_value()), 2)
+    k = 3
+    tx = jxs.accumulate(jxs.dynamic_scaling(probe()), k)
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
     update = jax.jit(tx.update)
-    for i in range(4):
-        _, state = update({"w": jnp.ones(2)}, state, params, value=jnp.float32(i))
+    for i in range(2 * k):
+        u, state = update({"w": jnp.ones(2)}, state, params, value=jnp.float32(i))
+        seen.append(int(state.inner_state.inner_state["calls"]))
+        if i % k != k - 1:
+            assert np.all(np.signbit(np.asarray(u["w"])))
     jax.effects_barrier()
-    assert [float(v) for v in seen] == [1.0, 3.0]
+    assert [float(v) for v in calls] == [float(i) for i in range(2 * k)]
+    assert seen == [0, 0, 1, 1, 1, 2]
+    assert int(state.inner_state.steps) == 2
+
+    # optax.MultiSteps around the wrapper is refused.
+    ms = optax.MultiSteps(jxs.dynamic_scaling(optax.sgd(0.1)), k)
+    with pytest.raises(ValueError, match="MultiStepsState"):
+        run_windows(ms, init_params(), micro_batches(1, k))
 
 
 @pytest.mark.isa

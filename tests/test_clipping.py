@@ -151,11 +151,17 @@ def test_same_state_as_optax():
 
 
 @pytest.mark.isa
-def test_f32_norm_overflow_falls_back_to_rescaled_norm():
+def test_f32_norm_overflow_takes_the_rescaled_sum():
     # The float32 sum of squares overflows (1e30**2), the norm itself does not.
     grads = {"a": jnp.full((3,), 1e30, jnp.float32), "b": jnp.ones(2, jnp.float32)}
     norm = jax.jit(jxs.global_norm)(grads)
     np.testing.assert_allclose(float(norm), np.sqrt(3) * 1e30, rtol=1e-6)
+    # Up to the largest float32 norm: four elements of max/4 have norm max/2.
+    fmax = np.finfo(np.float32).max
+    big = {"a": jnp.full((4,), fmax / 4, jnp.float32), "b": jnp.ones(3)}
+    np.testing.assert_allclose(
+        float(jax.jit(jxs.global_norm)(big)), fmax / 2, rtol=1e-6
+    )
     clipped = clip(jxs.clip_by_global_norm(1.0), grads)
     np.testing.assert_allclose(np.asarray(clipped["a"]), 1 / np.sqrt(3), rtol=1e-6)
     assert np.all(np.asarray(clipped["b"]) > 0)  # tiny, but not flushed to zero
