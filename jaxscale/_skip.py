@@ -44,6 +44,7 @@ def _keep_update(run: jax.Array, u: Any) -> Any:
 def _keep_state(run: jax.Array, new: Any, old: jax.Array) -> jax.Array:
     """``new`` where ``run``, else ``old`` (typed as ``new``: a ``shard_map``
     state varies over the axes its gradients vary over)."""
+    new = jnp.asarray(new)
     return lax.select(run, new, match_varying(old, new))
 
 
@@ -119,16 +120,22 @@ def update_or_skip(
         env[v] = x
     for v, x in zip(jaxpr.invars, leaves, strict=True):
         env[v] = x
+    selected = set()  # the computed state leaves, selected where computed
     for eqn in jaxpr.eqns:
         with eqn_context(eqn):
             outs = bind(eqn.primitive, eqn.params, [read(v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, outs, strict=True):
             i = owner.get(v, -1)
-            env[v] = x if i < 0 else _keep_state(run, x, old[i])
+            if i >= 0:
+                x = _keep_state(run, x, old[i])
+                selected.add(v)
+            env[v] = x
     outs = [read(v) for v in jaxpr.outvars]
     updates = [_keep_update(run, u) for u in outs[:n_updates]]
+    # The rest (inputs or constants passed through, literals, values that are
+    # two leaves at once) are selected here.
     inner = [
-        x if owner.get(v, -1) >= 0 else _keep_state(run, x, o)
+        x if isinstance(v, Var) and v in selected else _keep_state(run, x, o)
         for v, x, o in zip(state_vars, outs[n_updates:], old, strict=True)
     ]
     return (

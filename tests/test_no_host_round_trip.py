@@ -167,3 +167,46 @@ def test_skipped_step_keeps_keys_counters_and_params_bit_identical():
     _, state = update(good, state, after)
     assert int(state.inner_state["count"]) == 2
     assert int(state.skipped_steps) == 1
+
+
+def odd_state_inner():
+    """State leaves that are not computed by the update: one passed through
+    from the input state, one a literal, one the gradient itself, and one
+    value that is two leaves at once (optax.trace's shape: updates = state)."""
+
+    def init(params):
+        return {
+            "same": jnp.ones(()),
+            "const": jnp.zeros(()),
+            "grad": jax.tree.map(jnp.zeros_like, params),
+            "twice": (jax.tree.map(jnp.zeros_like, params),) * 2,
+        }
+
+    def update(updates, state, params=None):
+        del params
+        new = jax.tree.map(lambda t, g: 0.5 * t + g, state["twice"][0], updates)
+        return new, {
+            "same": state["same"],
+            "const": jnp.zeros(()),
+            "grad": updates,
+            "twice": (new, new),
+        }
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_state_leaves_not_computed_by_the_update_are_kept_on_a_skip():
+    tx = jxs.dynamic_scaling(odd_state_inner(), jxs.NoOpLossScale())
+    params = {"w": jnp.array([1.0, 2.0])}
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    u, state = update({"w": jnp.array([1.0, 1.0])}, state, params)
+    np.testing.assert_array_equal(np.asarray(u["w"]), [1.0, 1.0])
+    kept = state.inner_state
+    u, state = update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    assert int(state.skipped_steps) == 1
+    assert np.all(np.signbit(np.asarray(u["w"])))
+    assert_bit_identical(state.inner_state, kept)
+    u, state = update({"w": jnp.array([2.0, 2.0])}, state, params)
+    np.testing.assert_array_equal(np.asarray(u["w"]), [2.5, 2.5])
+    np.testing.assert_array_equal(np.asarray(state.inner_state["grad"]["w"]), [2, 2])

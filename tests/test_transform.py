@@ -58,12 +58,23 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(bad):
 
 
 @pytest.mark.isa
-def test_finite_step_equals_inner_on_unscaled_grads():
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_finite_step_equals_inner_on_unscaled_grads(momentum):
+    # Against optax run eagerly: one multiply per element (plain sgd) is bit
+    # for bit; with momentum XLA may contract ``g + 0.9 * t`` into an FMA
+    # inside the jitted step, so equal to rounding (STYLE.md, "Lessons").
     params = make_params()
-    inner = optax.sgd(0.1, momentum=0.9)
+    inner = optax.sgd(0.1, momentum=momentum)
     tx = jxs.dynamic_scaling(inner, jxs.StaticLossScale.create(1024.0))
     state, ref_state = tx.init(params), inner.init(params)
     rng = np.random.default_rng(0)
+    same = (
+        assert_bit_identical
+        if momentum is None
+        else lambda a, b: jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), a, b
+        )
+    )
     for _ in range(3):
         g = jax.tree.map(
             lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params
@@ -71,8 +82,8 @@ def test_finite_step_equals_inner_on_unscaled_grads():
         scaled = jax.tree.map(lambda x: x * 1024.0, g)
         updates, state = jax.jit(tx.update)(scaled, state, params)
         ref_updates, ref_state = inner.update(g, ref_state, params)
-        assert_bit_identical(updates, ref_updates)
-    assert_bit_identical(state.inner_state, ref_state)
+        same(updates, ref_updates)
+    same(state.inner_state, ref_state)
 
 
 @pytest.mark.isa
