@@ -24,6 +24,7 @@ from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
 from jaxscale._composition import CompositionWarning as CompositionWarning
+from jaxscale._grad import HalfPrecisionLossWarning as HalfPrecisionLossWarning
 from jaxscale._grad import loss_scale_of as loss_scale_of
 from jaxscale._grad import value_and_grad as value_and_grad
 from jaxscale._loss_scale import DynamicLossScale as DynamicLossScale
@@ -54,6 +55,7 @@ __all__ = [
     "CompositionWarning",
     "DynamicLossScale",
     "DynamicScalingState",
+    "HalfPrecisionLossWarning",
     "LossScale",
     "NoOpLossScale",
     "Policy",

@@ -6,6 +6,7 @@ except :func:`nonfinite_paths`, which turns flags into names on the host.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +27,8 @@ __all__ = [
     "summary",
     "underflow_report",
 ]
+
+_NEVER = 2**31 - 1  # a growth interval this long never grows
 
 _F32 = jnp.float32
 # Powers of two a float32 loss scale can take and stay normal.
@@ -48,6 +51,16 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     * ``loss_scale`` (``f32``): the scale for the next step.
     * ``growth_tracker``, ``hysteresis_tracker`` (``i32``): only for a
       :class:`DynamicLossScale`.
+    * ``growths_without_overflow`` (``i32``): only for a
+      :class:`DynamicLossScale` that grows (and not for a split
+      ``nnx.State``, whose growth interval is in its GraphDef): growth
+      intervals passed while no step has ever been skipped
+      (``steps // growth_interval``), ``0`` once one has.
+      A float16 step overflows now and then at the largest scale that fits; a
+      count that keeps rising (8 means the scale grew 256-fold) says nothing
+      computes in float16, or ``update`` is given gradients that are not the
+      scaled ones of :func:`jaxscale.value_and_grad` (see
+      :class:`NoOverflowWarning`).
     * ``nonfinite_leaves`` (``i32``): how many gradient leaves were non-finite
       on the last step (:func:`nonfinite_paths` names them).
 
@@ -79,6 +92,7 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
       loss_scale: 32768.0
       growth_tracker: 0
       hysteresis_tracker: 1
+      growths_without_overflow: 0
       nonfinite_leaves: 1
     """
     state = scaling_state_of(opt_state)
@@ -93,12 +107,26 @@ def summary(opt_state: Any) -> dict[str, jax.Array]:
     if isinstance(ls, DynamicLossScale):
         out["growth_tracker"] = ls.growth_tracker
         out["hysteresis_tracker"] = ls.hysteresis_tracker
+    if isinstance(ls, DynamicLossScale) and ls.growth_interval < _NEVER:
+        # (A split nnx.State does not hold the interval: its GraphDef does.)
+        out["growths_without_overflow"] = _growths_without_overflow(
+            state.steps, state.skipped_steps, ls.growth_interval
+        )
     count = state.steps - state.steps  # 0 on device: no transfer
     flags = state.nonfinite_leaves.flags
     if flags is not None:
         count = count + jnp.sum(jnp.asarray(flags).astype(jnp.int32))
     out["nonfinite_leaves"] = count
     return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _growths_without_overflow(
+    steps: jax.Array, skipped: jax.Array, interval: int
+) -> jax.Array:
+    """``steps // interval`` while nothing was skipped, else 0 (jitted: its
+    constants are compiled in, so an eager call transfers nothing)."""
+    return jnp.where(skipped == 0, steps // interval, 0).astype(jnp.int32)
 
 
 def nonfinite_paths(flags_or_state: Any) -> list[str]:

@@ -7,17 +7,116 @@ argument, so the split never calls back up.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import _nnx
 from jaxscale._composition import check_composition, find_state
 from jaxscale._loss_scale import LossScale
+from jaxscale._tree import first_non_array
 
-__all__ = ["find_loss_scale", "loss_scale_of", "value_and_grad"]
+__all__ = [
+    "HalfPrecisionLossWarning",
+    "find_loss_scale",
+    "loss_scale_of",
+    "value_and_grad",
+]
+
+
+class HalfPrecisionLossWarning(UserWarning):
+    """Warned, when :func:`value_and_grad` is traced, for a loss in float16 or
+    bfloat16.
+
+    The loss is multiplied by the scale in its own dtype: a float16 loss times
+    the default scale (``2**16``) is ``inf`` for any loss above 1, so the first
+    steps overflow and the scale backs off until the product fits; a bfloat16
+    loss keeps 8 bits of mantissa, so the reduction that produced it has
+    already lost the small terms. Reduce in float32 instead, as
+    ``torch.autocast`` does: ``jnp.mean(x, dtype=jnp.float32)`` or
+    ``jnp.mean(x.astype(jnp.float32))``. (Under :func:`autocast`, a loss
+    whose last op is, e.g., a ``max`` comes out in float16: cast it.)
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> issubclass(jxs.HalfPrecisionLossWarning, UserWarning)
+      True
+    """
+
+
+def _check_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from what ``fun`` returned, with the mistakes named
+    before the loss is scaled (so no error shows a scaled value)."""
+    if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise TypeError(
+                "With `has_aux=True`, `fun` must return a pair `(loss, aux)`, got "
+                f"{_describe(out)}."
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, None
+        if isinstance(out, tuple | list | dict):
+            raise TypeError(
+                f"`fun` returned {_describe(out)}, not a scalar loss. If it returns "
+                "`(loss, aux)`, pass `has_aux=True`. (These are the values `fun` "
+                "returned: jaxscale has not scaled them yet.)"
+            )
+    shape = jnp.shape(loss)
+    if shape != ():
+        raise TypeError(
+            f"`fun` must return a scalar loss, got an array of shape {shape} (of "
+            f"{_describe(loss)}): reduce it, e.g. with `jnp.mean`. (Unscaled: "
+            "jaxscale has not scaled it yet.)"
+        )
+    dtype = jnp.result_type(loss)
+    if dtype in (jnp.float16, jnp.bfloat16):
+        warnings.warn(
+            f"The loss is {jnp.dtype(dtype).name}: it is multiplied by the loss "
+            "scale in that dtype (a float16 loss overflows at the default scale "
+            "of 2**16 for any value above 1, so the first steps are skipped until "
+            "the scale backs off). Reduce the loss in float32: "
+            "`jnp.mean(x, dtype=jnp.float32)` or `jnp.mean(x.astype(jnp.float32))`.",
+            HalfPrecisionLossWarning,
+            stacklevel=4,
+        )
+    return loss, aux
+
+
+def _check_differentiable(args: tuple[Any, ...], argnums: Any) -> None:
+    """The arguments at ``argnums`` must hold arrays only: name the first leaf
+    that is not (an equinox module's string or function) and the fix."""
+    for i in (argnums,) if isinstance(argnums, int) else tuple(argnums):
+        if not -len(args) <= i < len(args):
+            continue  # JAX says what is wrong with the index
+        bad = first_non_array(args[i])
+        if bad is not None:
+            where, x = bad
+            raise TypeError(
+                f"`jxs.value_and_grad` differentiates every leaf of argument {i}, "
+                f"got {type(x).__name__} {x!r:.40} at {where}. For an equinox "
+                "module use `jaxscale.equinox.filter_value_and_grad(loss_fn, "
+                "opt_state)`, which differentiates its inexact arrays only (as "
+                "`eqx.filter_value_and_grad` does); otherwise pass the arrays and "
+                "close over the rest."
+            )
+
+
+def _describe(x: Any) -> str:
+    """A short description of a value for an error message, without its data."""
+    if isinstance(x, tuple | list):
+        inner = ", ".join(_describe(v) for v in x[:4])
+        more = ", ..." if len(x) > 4 else ""
+        return f"a {type(x).__name__} of {len(x)} ({inner}{more})"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))[:6]}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+    return type(x).__name__
 
 
 def loss_scale_of(opt_state: Any) -> LossScale:
@@ -30,12 +129,15 @@ def loss_scale_of(opt_state: Any) -> LossScale:
 
     It also checks, from the structure of the state alone (at trace time, at no
     cost in the compiled step), that :func:`dynamic_scaling` is nested right: a
-    transformation chained in front of it (it would see *scaled* gradients), or
-    the wrapper inside ``optax.MultiSteps``, ``optax.multi_transform`` or
-    ``optax.masked``, raises a ``ValueError`` that says how to nest it;
-    ``optax.inject_hyperparams`` around it, or stateful transformations chained
-    after it, warn (:class:`CompositionWarning`). :func:`value_and_grad` calls
-    it, so every training step is checked.
+    transformation in front of it in an ``optax.chain`` or
+    ``optax.named_chain``, or the wrapper inside ``optax.MultiSteps``,
+    ``optax.masked``, ``optax.multi_transform``, ``optax.apply_if_finite``,
+    ``optax.contrib.schedule_free`` and other wrappers that run outside it,
+    raises a ``ValueError`` that says how to nest it;
+    ``optax.inject_hyperparams``, ``optax.conditionally_mask`` or
+    ``optax.lookahead`` around it, stateful transformations chained after it,
+    and wrappers jaxscale does not know warn (:class:`CompositionWarning`).
+    :func:`value_and_grad` calls it, so every training step is checked.
 
     Args:
       opt_state: an optimizer state (or object holding one) that contains
@@ -143,8 +245,7 @@ def value_and_grad(
     ls = find_loss_scale(loss_scale, "loss_scale")
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        out = fun(*args, **kwargs)
-        loss, aux = out if has_aux else (out, None)
+        loss, aux = _check_loss(fun(*args, **kwargs), has_aux)
         return ls.scale(loss), (loss, aux)
 
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
@@ -159,6 +260,7 @@ def value_and_grad(
             call, rest, finish = split.grad_call(scaled_grad, fun, has_aux)
             out, grads, rest = call(args, kwargs, rest)
             return out, finish(grads, rest)
+        _check_differentiable(args, argnums)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 

@@ -25,7 +25,15 @@ from jaxscale._composition import scaling_state_of
 from jaxscale._state import LeafFlags
 from jaxscale._tree import saturating_increment
 
-__all__ = ["MonitorState", "OverflowEvent", "ScaleAtFloorWarning", "monitor"]
+__all__ = [
+    "MonitorState",
+    "NoOverflowWarning",
+    "OverflowEvent",
+    "ScaleAtFloorWarning",
+    "monitor",
+]
+
+_I32_MAX = 2**31 - 1
 
 
 class OverflowEvent(NamedTuple):
@@ -86,6 +94,32 @@ class ScaleAtFloorWarning(RuntimeWarning):
     Examples:
       >>> import jaxscale as jxs
       >>> issubclass(jxs.diagnostics.ScaleAtFloorWarning, RuntimeWarning)
+      True
+    """
+
+
+class NoOverflowWarning(RuntimeWarning):
+    """Warned when no step has overflowed while the loss scale grew many times.
+
+    Raised through ``jax.debug.callback`` by :func:`monitor` built with
+    ``warn_no_overflow_after=n``, once, when the scale of a
+    :class:`DynamicLossScale` has grown ``n`` times (``n * growth_interval``
+    steps) and no step has ever been skipped. A float16 step overflows from
+    time to time at the largest scale that fits; one that never does, while
+    its scale grows thousands-fold, has one of two causes:
+
+    * nothing in the step computes in float16 (float32 or bfloat16 compute):
+      loss scaling does nothing there, use :class:`NoOpLossScale` or none;
+    * the gradients handed to ``update`` are not the scaled ones of
+      :func:`jaxscale.value_and_grad` (``jax.grad`` of the loss, or a scale
+      multiplied in elsewhere): ``update`` divides them by the scale, so every
+      update shrinks as the scale grows and training stalls.
+
+    Filter it with the :mod:`warnings` module like any other warning.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> issubclass(jxs.diagnostics.NoOverflowWarning, RuntimeWarning)
       True
     """
 
@@ -164,6 +198,33 @@ def floor_callback(
     )
 
 
+def no_overflow_callback(fire: jax.Array, growths: int, state: Any) -> None:
+    """Warns (:class:`NoOverflowWarning`) where ``fire`` (``bool[]``) is true:
+    when the scale of ``state`` has just grown ``growths`` times and no step
+    has ever overflowed."""
+
+    def host(steps, scale):
+        warnings.warn(
+            f"jaxscale: no step has overflowed in {int(steps)} steps, while the "
+            f"loss scale grew {growths} times (to {float(scale):g}). Either "
+            "nothing in the step computes in float16 (loss scaling then does "
+            "nothing: use jxs.NoOpLossScale(), or no scaling), or the gradients "
+            "passed to `update` are not the scaled ones of "
+            "`jxs.value_and_grad(loss_fn, opt_state)` (unscaled gradients are "
+            "divided by the scale, so the updates shrink as it grows and "
+            "training stalls).",
+            NoOverflowWarning,
+            stacklevel=2,
+        )
+
+    lax.cond(
+        fire,
+        lambda s: jax.debug.callback(host, *s),
+        lambda s: None,
+        (state.steps, state.loss_scale.loss_scale),
+    )
+
+
 # --------------------------------------------------------------------------- #
 # The options of ``monitor``.
 # --------------------------------------------------------------------------- #
@@ -174,10 +235,13 @@ class Options(NamedTuple):
 
     on_overflow: Callable[[OverflowEvent], Any] | None
     warn_at_floor_after: int | None
+    warn_no_overflow_after: int | None = None
 
 
-def make_options(on_overflow: Any, warn_at_floor_after: Any) -> Options | None:
-    """Validates the hooks; ``None`` when neither is given."""
+def make_options(
+    on_overflow: Any, warn_at_floor_after: Any, warn_no_overflow_after: Any = None
+) -> Options | None:
+    """Validates the hooks; ``None`` when none is given."""
     if on_overflow is not None and not callable(on_overflow):
         raise TypeError(
             "`on_overflow` must be None or a callable taking a "
@@ -186,9 +250,14 @@ def make_options(on_overflow: Any, warn_at_floor_after: Any) -> Options | None:
         )
     if warn_at_floor_after is not None:
         warn_at_floor_after = check_int("warn_at_floor_after", warn_at_floor_after)
+    if warn_no_overflow_after is not None:
+        warn_no_overflow_after = check_int(
+            "warn_no_overflow_after", warn_no_overflow_after
+        )
     if on_overflow is None and warn_at_floor_after is None:
-        return None
-    return Options(on_overflow, warn_at_floor_after)
+        if warn_no_overflow_after is None:
+            return None
+    return Options(on_overflow, warn_at_floor_after, warn_no_overflow_after)
 
 
 class MonitorState(NamedTuple):
@@ -257,6 +326,18 @@ def diagnose(options: Options, old: Any, new: Any, steps_at_floor: Any) -> None:
             old.steps,
             min_scale,
         )
+    if options.warn_no_overflow_after is not None:
+        interval = getattr(new.loss_scale, "growth_interval", None)
+        if interval is None:
+            raise ValueError(
+                "`warn_no_overflow_after` counts the growths of a "
+                "jxs.DynamicLossScale, got "
+                f"{type(new.loss_scale).__name__}, whose scale never grows."
+            )
+        at = options.warn_no_overflow_after * interval
+        if at <= _I32_MAX:  # beyond, the step counter saturates first
+            fire = stepped & (new.skipped_steps == 0) & (new.steps == at)
+            no_overflow_callback(fire, options.warn_no_overflow_after, new)
 
 
 # --------------------------------------------------------------------------- #
@@ -269,6 +350,7 @@ def monitor(
     *,
     on_overflow: Callable[[OverflowEvent], Any] | None = None,
     warn_at_floor_after: int | None = None,
+    warn_no_overflow_after: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adds host-side hooks to a loss-scaled optimizer, without adding state.
 
@@ -281,10 +363,18 @@ def monitor(
     are already in the state) and, through ``jax.debug.callback``:
 
     * ``on_overflow``: calls it with an :class:`OverflowEvent` on every skipped
-      step, and only then (a ``lax.cond``);
+      step, and only then (a ``lax.cond``: the one conditional jaxscale puts in
+      a step, and only here; on a GPU it costs a host round trip per step
+      unless XLA runs it in a CUDA graph, see the performance page);
     * ``warn_at_floor_after=n``: warns (:class:`ScaleAtFloorWarning`) once the
       scale has sat at its floor (``min_scale`` of a :class:`DynamicLossScale`)
-      for ``n`` consecutive steps, counted in :class:`MonitorState`.
+      for ``n`` consecutive steps, counted in :class:`MonitorState`;
+    * ``warn_no_overflow_after=n``: warns (:class:`NoOverflowWarning`) once,
+      when the scale of a :class:`DynamicLossScale` has grown ``n`` times
+      (``n * growth_interval`` steps) without any step ever overflowing: a
+      step that computes nothing in float16, or gradients that are not the
+      scaled ones of :func:`jaxscale.value_and_grad` (``8`` is a good value:
+      the scale has then grown 256-fold). Adds no state.
 
     Only the code of the hooks you pass is traced; the callbacks run
     asynchronously (call ``jax.effects_barrier()`` before reading what they
@@ -295,6 +385,9 @@ def monitor(
       on_overflow: ``None`` or a callable taking an :class:`OverflowEvent`.
       warn_at_floor_after: ``None`` or an int ``>= 1``; needs a
         :class:`DynamicLossScale` (checked when ``update`` is traced).
+      warn_no_overflow_after: ``None`` or an int ``>= 1``, growths of the
+        scale; needs a :class:`DynamicLossScale` (checked when ``update`` is
+        traced).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s, or
@@ -302,9 +395,9 @@ def monitor(
 
     Raises:
       TypeError: if ``tx`` is not a transformation or a hook has the wrong type.
-      ValueError: if no hook is given, ``warn_at_floor_after < 1``, or (when
-        ``update`` is traced) ``warn_at_floor_after`` is given for a loss scale
-        without a floor.
+      ValueError: if no hook is given, ``warn_at_floor_after < 1`` or
+        ``warn_no_overflow_after < 1``, or (when ``update`` is traced) either
+        is given for a loss scale that is not a :class:`DynamicLossScale`.
 
     Examples:
       >>> import jaxscale as jxs
@@ -324,12 +417,12 @@ def monitor(
             "`tx` must be an optax.GradientTransformation built with "
             f"`jxs.dynamic_scaling(...)`, got {type(tx).__name__}."
         )
-    options = make_options(on_overflow, warn_at_floor_after)
+    options = make_options(on_overflow, warn_at_floor_after, warn_no_overflow_after)
     if options is None:
         raise ValueError(
             "`jxs.diagnostics.monitor` needs at least one hook: pass "
-            "`on_overflow=` and/or "
-            "`warn_at_floor_after=`, got neither."
+            "`on_overflow=`, `warn_at_floor_after=` and/or "
+            "`warn_no_overflow_after=`, got none."
         )
     tx = optax.with_extra_args_support(tx)
     counts = options.warn_at_floor_after is not None

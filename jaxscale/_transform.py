@@ -25,7 +25,13 @@ from jaxscale._structure import (
     check_updates_match_params,
     explain_structure_errors,
 )
-from jaxscale._tree import compute_dtype, is_float_leaf, saturating_increment, widen
+from jaxscale._tree import (
+    compute_dtype,
+    first_non_array,
+    is_float_leaf,
+    saturating_increment,
+    widen,
+)
 
 __all__ = ["dynamic_scaling"]
 
@@ -105,6 +111,31 @@ def _check(
     # not fused into its consumers, so each select reads one ``bool``
     # (tests/test_compiled_step.py).
     return ~jnp.sort(bad)[-1], bad
+
+
+def _check_array_leaves(params: Any) -> None:
+    """``params`` must hold real arrays (or ``None``): an equinox module's
+    strings and functions go through ``eqx.filter`` first."""
+    bad = first_non_array(params)
+    if bad is not None:
+        where, x = bad
+        raise TypeError(
+            f"`params` must hold arrays, got {type(x).__name__} {x!r:.40} at "
+            f"{where}. For an equinox module pass its arrays: "
+            "`tx.init(eqx.filter(model, eqx.is_inexact_array))` (and the same "
+            "filter for `params` in `tx.update`)."
+        )
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if isinstance(x, complex) or (
+            hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)
+        ):
+            raise TypeError(
+                f"`params` has a complex leaf at {jax.tree_util.keystr(path)}: "
+                "jxs.dynamic_scaling unscales and checks real floating leaves "
+                "only. Split complex parameters into real and imaginary parts "
+                "around it: `optax.contrib.split_real_and_imaginary("
+                "jxs.dynamic_scaling(inner))`."
+            )
 
 
 def _master_weight_update(
@@ -280,6 +311,7 @@ def dynamic_scaling(
     fresh_loss_scale = _fresh_copy_factory(loss_scale)
 
     def init_fn(params: Params) -> DynamicScalingState:
+        _check_array_leaves(params)
         inner_state = inner.init(jax.tree.map(widen, params))
         check_inner(inner, inner_state)
         state = DynamicScalingState(
@@ -299,6 +331,22 @@ def dynamic_scaling(
         params: Params | None = None,
         **extra_args: Any,
     ) -> tuple[Updates, DynamicScalingState]:
+        if not isinstance(state, DynamicScalingState):
+            raise TypeError(
+                "`state` must be the jxs.DynamicScalingState that this "
+                f"optimizer's `init` returned, got {type(state).__name__}. "
+                + (
+                    "A checkpoint restored without a target comes back as plain "
+                    "dicts: restore into the structure of `tx.init(params)` "
+                    "(flax: `from_state_dict(tx.init(params), ...)`; orbax: pass "
+                    "the abstract state as the restore target; a checkpoint of "
+                    "an older jaxscale: `jxs.upgrade_checkpoint(restore, "
+                    "tx.init(params))`)."
+                    if isinstance(state, dict)
+                    else "Pass the state of this transformation (not the state of "
+                    "another optimizer, or a sub-state)."
+                )
+            )
         check_updates_match_params(updates, params)
         hi, lo = reciprocal_parts(state.loss_scale.loss_scale)
         finite, bad = _check(updates, hi, lo, axis_name)

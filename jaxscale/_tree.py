@@ -10,12 +10,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
     "ROOT_NAME",
     "all_finite",
     "compute_dtype",
+    "first_non_array",
     "is_float_leaf",
     "leaf_names",
     "path_name",
@@ -158,3 +160,13 @@ def widen(x: Any) -> Any:
     dtype = jnp.result_type(x)
     wide = compute_dtype(dtype)
     return x if dtype == wide else jnp.asarray(x).astype(wide)
+
+
+def first_non_array(tree: Any) -> tuple[str, Any] | None:
+    """``(path, leaf)`` of the first leaf of ``tree`` that is neither an array
+    nor a Python number (an equinox module's strings and functions), or
+    ``None``."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+            return jax.tree_util.keystr(path) or ROOT_NAME, x
+    return None

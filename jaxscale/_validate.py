@@ -15,7 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import _nnx
-from jaxscale._composition import scaling_states
+from jaxscale._composition import (
+    RESTORED_WITHOUT_TARGET,
+    looks_restored_without_target,
+    scaling_states,
+)
 from jaxscale._loss_scale import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
@@ -391,6 +395,8 @@ def validate_state(state: Any, *, repair: bool = False) -> Any:
         out = check((), state)
     else:
         out = jax.tree_util.tree_map_with_path(check, state, is_leaf=_is_ours)
+    if not found and looks_restored_without_target(state):
+        raise ValueError(f"`state` {RESTORED_WITHOUT_TARGET}")
     if not found:
         hint = (
             " An nnx.State of the model alone holds no optimizer state: pass the "

@@ -74,6 +74,7 @@ def test_summary_inside_jit_has_no_host_transfer():
         *KEYS,
         "growth_tracker",
         "hysteresis_tracker",
+        "growths_without_overflow",
         "nonfinite_leaves",
     ]
     assert set(logs[0]) == set(outside)

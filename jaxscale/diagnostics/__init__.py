@@ -30,6 +30,7 @@ from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
 from jaxscale._diagnostics import summary as summary
 from jaxscale._diagnostics import underflow_report as underflow_report
 from jaxscale._monitor import MonitorState as MonitorState
+from jaxscale._monitor import NoOverflowWarning as NoOverflowWarning
 from jaxscale._monitor import OverflowEvent as OverflowEvent
 from jaxscale._monitor import ScaleAtFloorWarning as ScaleAtFloorWarning
 from jaxscale._monitor import monitor as monitor
@@ -37,6 +38,7 @@ from jaxscale._monitor import monitor as monitor
 __all__ = [
     "CotangentStats",
     "MonitorState",
+    "NoOverflowWarning",
     "OverflowEvent",
     "ScaleAtFloorWarning",
     "UnderflowReport",
