@@ -30,6 +30,21 @@ from helpers import relaxed
 import jaxscale as jxs
 import jaxscale.testing as jxt
 
+# The verdicts were taken on optax 0.2.8. Older optax (the floor, 0.2.5) lacks
+# some wrappers (freeze, selective_transform, galore) and builds others
+# differently (named_chain's state is a plain dict there, so it is warned about
+# as an unordered dict, not refused; sam keeps its states elsewhere).
+OPTAX = tuple(int(p) for p in optax.__version__.split(".")[:3] if p.isdigit())
+_NEWER = ("named_chain", "sam", "galore", "freeze", "selective_transform")
+
+
+def needs_current_optax(name: str) -> None:
+    """Skips case ``name`` on an optax older than 0.2.8 if it uses a wrapper
+    whose structure changed since (see above)."""
+    if OPTAX < (0, 2, 8) and any(k in name for k in _NEWER):
+        pytest.skip(f"{name}: verdict taken on optax 0.2.8, got {optax.__version__}")
+
+
 INF_STEP = 1e38  # the loss factor of an overflowing step: grads * 2**16 are inf
 
 
@@ -247,6 +262,7 @@ RIGHT = {
 @pytest.mark.parametrize("name", sorted(RIGHT))
 @pytest.mark.core
 def test_right_composition_trains_and_skips_bit_identically(name):
+    needs_current_optax(name)
     make, make_params, calls, extra = RIGHT[name]
     tx = make()
     step = stepper(tx, **dict.fromkeys(extra))
@@ -389,6 +405,7 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(REFUSED))
 @pytest.mark.unit
 def test_wrong_composition_is_refused_with_the_fix(name):
+    needs_current_optax(name)
     make, match = REFUSED[name]
     with jax.numpy_dtype_promotion("standard"):  # some optax init code promotes
         state = make().init(params())
@@ -401,6 +418,7 @@ def test_wrong_composition_is_refused_with_the_fix(name):
 
 @pytest.mark.unit
 def test_refusal_is_raised_at_trace_time_under_jit():
+    needs_current_optax("named_chain")
     tx = optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("ds", ds()))
     with pytest.raises(ValueError, match="named_chain"):
         stepper(tx)(params(), tx.init(params()), jnp.float32(1.0))
@@ -494,6 +512,7 @@ WARNED = {
 @pytest.mark.parametrize("name", sorted(WARNED))
 @pytest.mark.unit
 def test_doubtful_composition_warns_with_the_fix(name):
+    needs_current_optax(name)
     make, make_params, match = WARNED[name]
     state = make().init(make_params())
     with pytest.warns(jxs.CompositionWarning, match=match):
@@ -669,6 +688,7 @@ def test_conditionally_transform_around_would_apply_scaled_gradients():
 
 @pytest.mark.core
 def test_galore_around_would_turn_one_overflow_into_nan_parameters():
+    needs_current_optax("galore")
     tx = optax.contrib.galore(
         0.1, rank=1, update_proj_gap=2, base_optimizer=ds(optax.scale_by_adam())
     )
@@ -717,6 +737,7 @@ def test_the_guide_nesting_runs_silently_and_schedules_count_applied_steps():
 def test_named_chain_state_keeps_its_order_through_jit():
     """The rule relies on it: named_chain's OrderedDict comes back from jit as
     an OrderedDict in chain order, while a plain dict comes back sorted."""
+    needs_current_optax("named_chain")
     state = optax.named_chain(("z", optax.trace(0.9)), ("ds", ds())).init(params())
     out = jax.jit(lambda s: s)(state)
     assert isinstance(out, collections.OrderedDict) and list(out) == ["z", "ds"]
