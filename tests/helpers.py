@@ -17,6 +17,23 @@ import optax
 from jax.extend import core as jcore
 
 
+def with_promotion(
+    inner: optax.GradientTransformation, mode: str
+) -> optax.GradientTransformation:
+    """``inner`` traced under dtype promotion ``mode`` ("standard", "strict")."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        with jax.numpy_dtype_promotion(mode):
+            return inner.init(params)
+
+    def update(updates, state, params=None, **extra):
+        with jax.numpy_dtype_promotion(mode):
+            return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """``inner`` traced under standard dtype promotion (optax's own code needs it).
 
@@ -25,17 +42,7 @@ def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation
     tests wrap them in this, which relaxes promotion *only* while tracing the
     inner optimizer, never jaxscale's own code.
     """
-    inner = optax.with_extra_args_support(inner)
-
-    def init(params):
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.init(params)
-
-    def update(updates, state, params=None, **extra):
-        with jax.numpy_dtype_promotion("standard"):
-            return inner.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return with_promotion(inner, "standard")
 
 
 def _jaxprs_in_params(params) -> Iterator[jcore.Jaxpr]:

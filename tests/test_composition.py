@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 import pytest
-from helpers import relaxed
+from helpers import relaxed, with_promotion
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
@@ -70,16 +70,7 @@ def sgd():
 def strict(inner):
     """``inner`` traced under strict promotion again, inside an optax wrapper
     that ``helpers.relaxed`` relaxes (so jaxscale's own code stays strict)."""
-
-    def init(params):
-        with jax.numpy_dtype_promotion("strict"):
-            return inner.init(params)
-
-    def update(updates, state, params=None, **extra):
-        with jax.numpy_dtype_promotion("strict"):
-            return inner.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return with_promotion(inner, "strict")
 
 
 def inject_stateful(factory, **hyperparams):
