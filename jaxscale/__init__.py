@@ -8,6 +8,7 @@ the scale, all inside XLA.
 import importlib.metadata
 
 from jaxscale import diagnostics as diagnostics
+from jaxscale import float8 as float8
 from jaxscale._accumulate import AccumulateState as AccumulateState
 from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (

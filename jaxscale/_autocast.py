@@ -19,8 +19,10 @@ import numpy as np
 
 from jaxscale._autocast_hop import HANDLERS
 from jaxscale._autocast_interp import REGION_PREFIX, Interpreter
-from jaxscale._autocast_rules import resolve_rules
+from jaxscale._autocast_rules import AutocastRule, resolve_rules
 from jaxscale._autocast_values import cast, dtype_of, input_info, is_castable
+from jaxscale._float8 import DelayedScaling, check_recipe
+from jaxscale._float8_site import Context, current_context
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
@@ -45,10 +47,10 @@ def check_dtype(dtype: Any) -> np.dtype:
         ) from None
     if dt.name.startswith("float8"):
         raise ValueError(
-            f"`dtype`: float8 autocast ({dt.name}) is not supported yet: float8 "
-            "needs per-tensor scaling of every matmul's operands, which autocast "
-            f"does not do. Use {_SUPPORTED}, or float32 to switch autocast off; "
-            f"got {dtype!r}."
+            f"`dtype` is the compute dtype and cannot be float8 ({dt.name}): "
+            "float8 holds only the operands of matmuls, with a scale per "
+            "tensor. Pass `float8=True` (or a `jxs.float8` recipe) with "
+            f"`dtype=jnp.bfloat16` or float16; got {dtype!r}."
         )
     if dt not in (_F16, _BF16, _F32):
         raise ValueError(
@@ -69,6 +71,7 @@ def autocast(
     rules: Mapping[Any, Any] | None = None,
     enabled: bool = True,
     cast_outputs: bool = True,
+    float8: Any = None,
 ) -> Callable[..., Any]:
     """Runs ``fun`` in mixed precision with per-operation dtypes, as torch.autocast.
 
@@ -153,6 +156,14 @@ def autocast(
       enabled: a Python bool; ``False`` runs ``fun`` at its traced dtypes.
       cast_outputs: a Python bool; ``True`` (default) returns every output in
         the dtype ``fun`` gives it, ``False`` in the dtype it was computed in.
+      float8: float8 matmuls (``docs/float8.md``): ``None`` (default, off);
+        ``True`` or ``"current"`` for :class:`jaxscale.float8.CurrentScaling`
+        (stateless); ``"delayed"`` for :class:`jaxscale.float8.DelayedScaling`
+        (its state threaded by :func:`jaxscale.float8.value_and_grad`); or a
+        recipe. Every ``dot_general`` without batch dimensions whose sizes
+        reach the recipe's ``min_dim`` runs with float8 operands and per-tensor
+        scales, its output in ``dtype``; everything else follows the rules
+        above.
 
     Returns:
       A function with ``fun``'s signature and output structure.
@@ -210,6 +221,15 @@ def autocast(
     """
     dt = check_dtype(dtype)
     table = resolve_rules(rules)
+    recipe = check_recipe(float8)
+    if recipe is not None and not (rules and _names_dot(rules)):
+        table["dot_general"] = AutocastRule.FLOAT8
+    if recipe is None and AutocastRule.FLOAT8 in table.values():
+        raise ValueError(
+            "`rules`: the 'float8' rule needs a float8 recipe: pass "
+            "`float8=True` (current scaling), `float8='delayed'` or a "
+            "`jxs.float8` recipe as well."
+        )
     for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(
@@ -224,6 +244,7 @@ def autocast(
             rules=rules,
             enabled=enabled,
             cast_outputs=cast_outputs,
+            float8=recipe,
         )
     if not callable(fun):
         raise TypeError(
@@ -237,10 +258,48 @@ def autocast(
         if not enabled or dt == _F32:
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
-        it = Interpreter(dt, table, HANDLERS)
+        ctx = _float8_context(recipe)
+        it = Interpreter(dt, table, HANDLERS, float8=ctx)
         return interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
 
     return wrapper
+
+
+def _names_dot(rules: Mapping[Any, Any]) -> bool:
+    return any(
+        (k if isinstance(k, str) else getattr(k, "name", None)) == "dot_general"
+        for k in rules
+    )
+
+
+def _float8_context(recipe: Any) -> Context | None:
+    """The float8 context of one autocast call: its own for current scaling;
+    for delayed scaling the one :func:`jaxscale.float8.value_and_grad`,
+    :func:`~jaxscale.float8.apply` or :func:`~jaxscale.float8.init` has put
+    in scope."""
+    if recipe is None:
+        return None
+    scope = current_context()
+    if not isinstance(recipe, DelayedScaling):
+        return Context(recipe)  # current scaling: no state, its own sites
+    if scope is None:
+        raise ValueError(
+            "`float8`: delayed scaling reads and updates a state of amax "
+            "histories, and none is in scope. Make one with "
+            "`state = jxs.float8.init(f, *args)` and call the function through "
+            "`jxs.float8.value_and_grad(f, state)(*args)` (training: returns the "
+            "new state) or `jxs.float8.apply(f, state)(*args)` (evaluation). "
+            "Or use `float8=True` (current scaling: no state)."
+        )
+    if scope.recipe is None:  # recording for init
+        scope.recipe = recipe
+    elif scope.recipe != recipe:
+        raise ValueError(
+            f"`float8`: this autocast's recipe {recipe!r} is not the one the state "
+            f"in scope was made for ({scope.recipe!r}). Make the state with "
+            "`jxs.float8.init` from the same function."
+        )
+    return scope
 
 
 def interpret(

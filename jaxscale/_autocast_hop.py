@@ -46,6 +46,7 @@ from jaxscale._autocast_values import (
     size_of,
     widest,
 )
+from jaxscale._float8_site import broadcast_max, suspended
 from jaxscale._jax_private import (
     ct_aval,
     custom_jvp_rule,
@@ -90,9 +91,16 @@ def _carry_dtypes(traced: Sequence[Any], init: Sequence[Any]) -> list[np.dtype]:
     return out
 
 
+def _threads_state(it: Interpreter) -> bool:
+    """Float8 sites read delayed-scaling state arrays (tracers of the caller)."""
+    return it.float8 is not None and it.float8.threads_state
+
+
 def _jit(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
     if not _has(eqn.params, "jaxpr"):
         return None
+    if _threads_state(it):  # inlined: its float8 sites read the caller's state
+        return it.eval_closed(eqn.params["jaxpr"], vals, infos)
     new, out_infos = _retrace(it, eqn.params["jaxpr"], vals, infos)
     outs = eqn.primitive.bind(*vals, **dict(eqn.params, jaxpr=new))
     return list(outs), out_infos
@@ -139,15 +147,31 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
         for x, i in zip(xs, infos[nc + nk :], strict=True)
     ]
     body_infos = [*infos[:nc], *carry_infos, *x_infos]
+    ctx = it.float8
+    threads = _threads_state(it)
+    first = len(ctx.seen) if ctx is not None else 0
+    states = ctx.state[first:] if threads else []
+    # Delayed float8 state of the sites from here on, one copy per iteration:
+    # its transpose is a max over iterations (a site's amax over the loop).
+    per_iter = [broadcast_max(tuple(states), p["length"])] if threads else []
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs, _ = it.eval_closed(body, [*consts, *carry, *x], body_infos)
+        if ctx is not None:
+            ctx.restart_at(first)  # the body may be traced more than once
+        if threads:
+            *x, mine = x
+            saved, ctx.state = ctx.state, [*ctx.state[:first], *mine]
+        try:
+            outs, _ = it.eval_closed(body, [*consts, *carry, *x], body_infos)
+        finally:
+            if threads:
+                ctx.state = saved
         return [cast(o, d) for o, d in zip(outs[:nk], dts, strict=True)], outs[nk:]
 
     carry, ys = lax.scan(
         step,
         [cast(v, d) for v, d in zip(init, dts, strict=True)],
-        list(xs),
+        [*xs, *per_iter],
         length=p["length"],
         reverse=p["reverse"],
         unroll=p.get("unroll", 1),
@@ -232,11 +256,13 @@ def _custom_jvp(
     consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
 
     def impl(*xs: Any) -> list[Any]:
-        return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
+        with suspended(it.float8):
+            return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         jaxpr, jconsts, out_zeros = jvp_fun.call_wrapped(*[False] * len(xs))
-        outs, _ = it.eval_jaxpr(jaxpr, jconsts, [*xs, *ts], [*pinfos, *pinfos])
+        with suspended(it.float8):
+            outs, _ = it.eval_jaxpr(jaxpr, jconsts, [*xs, *ts], [*pinfos, *pinfos])
         n = len(out_zeros)
         ref = jax.eval_shape(impl, *xs)  # the primal function's output dtypes
         out_p = [cast(o, r.dtype) for o, r in zip(outs[:n], ref, strict=True)]
@@ -273,11 +299,13 @@ def _custom_vjp(
     box: dict[str, Any] = {}
 
     def impl(*xs: Any) -> list[Any]:
-        return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
+        with suspended(it.float8):
+            return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
         jaxpr, fconsts = fwd_thunk.call_wrapped(*[True] * len(xs))
-        outs, _ = it.eval_jaxpr(jaxpr, fconsts, xs, pinfos)
+        with suspended(it.float8):
+            outs, _ = it.eval_jaxpr(jaxpr, fconsts, xs, pinfos)
         out_tree, _, forwards = out_trees()
         n_res = len(outs) - out_tree.num_leaves
         inputs, own = [*consts, *xs], iter(outs[:n_res])
@@ -298,7 +326,8 @@ def _custom_vjp(
             return [instantiate_zeros(c) for c in bwd.call_wrapped(*args)]
 
         closed = trace(run_bwd, [*box["res_avals"], *ct_avals])
-        outs, _ = it.eval_closed(closed, [*res, *cts])
+        with suspended(it.float8):
+            outs, _ = it.eval_closed(closed, [*res, *cts])
         return tuple(
             cast(c, d) if jax.numpy.issubdtype(d, jax.numpy.inexact) else c
             for c, d in zip(outs, in_dtypes, strict=True)
@@ -320,8 +349,13 @@ def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) ->
     if not _has(p, *keys) or shard_map is None:
         return None
 
+    threads = _threads_state(it)
+
     def body(*xs: Any) -> tuple[Any, ...]:
-        return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
+        # Delayed float8 state cannot enter a shard_map as a closure: its
+        # matmuls run in 16 bits then (current scaling works per shard).
+        with suspended(it.float8 if threads else None):
+            return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
 
     fn = shard_map(
         body,

@@ -51,11 +51,13 @@ from jaxscale._autocast_values import (
     size_of,
     widest,
 )
+from jaxscale._float8_site import Context, eligible, float8_dot, signature
 from jaxscale._jax_private import bind, eqn_context, trace
 
 __all__ = [
     "AutocastWarning",
     "Bias",
+    "Float8",
     "Float32",
     "Interpreter",
     "Keep",
@@ -372,17 +374,69 @@ class Traced(RuleClass):
         return _retype_combiner(eqn.params, vals, traced)
 
 
+class Float8(RuleClass):
+    """``"float8"``: a ``dot_general`` without batch dimensions and with every
+    size at least the recipe's ``min_dim`` runs as a float8 matmul (a *site*:
+    :func:`jaxscale._float8_site.float8_dot`); any other is ``"lower"``. The
+    operands are not cast first: each is quantised from its own dtype."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def is_site(it: Interpreter, eqn: Any, vals: list[Any]) -> bool:
+        ctx = it.float8
+        return (
+            ctx is not None
+            and not ctx.suspended
+            and eqn.primitive.name == "dot_general"
+            and len(vals) == 2
+            and all(is_castable(dtype_of(v)) for v in vals)
+            and eligible(
+                eqn.params,
+                np.shape(vals[0]),
+                np.shape(vals[1]),
+                ctx.recipe.min_dim if ctx.recipe is not None else 0,
+            )
+        )
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        if self.is_site(it, eqn, vals):
+            return vals, None
+        return _LOWER.cast_operands(it, eqn, vals, infos, traced)
+
+    def emit(self, it, eqn, params, vals):
+        if not self.is_site(it, eqn, vals):
+            return bind(eqn.primitive, params, vals)
+        ctx = it.float8
+        where = str(eqn.source_info.name_stack)
+        site = ctx.next_site(signature(params, np.shape(vals[0]), where))
+        recipe = ctx.recipe
+        it.note(
+            f"float8 site {len(ctx.seen) - 1}: operands {recipe.fwd_dtype.name}, "
+            f"gradient {recipe.bwd_dtype.name}, "
+            f"{'delayed' if site is not None else 'current'} scaling"
+        )
+        dims = params["dimension_numbers"]
+        return [float8_dot(vals[0], vals[1], dims, it.dtype, recipe, site)]
+
+    def out_infos(self, it, eqn, infos, outs):
+        return _LOWER.out_infos(it, eqn, infos, outs)
+
+
+_LOWER = Lower()
+
 # The registry: one behaviour per AutocastRule member (tests pin that it covers
 # every member).
 RULE_CLASSES: Mapping[AutocastRule, RuleClass] = MappingProxyType(
     {
-        Rule.LOWER: Lower(),
+        Rule.LOWER: _LOWER,
         Rule.FLOAT32: Float32(),
         Rule.PROMOTE: Promote(),
         Rule.BIAS: Bias(),
         Rule.KEEP: Keep(),
         Rule.LOOKUP: Lookup(),
         Rule.TRACED: Traced(),
+        Rule.FLOAT8: Float8(),
     }
 )
 
@@ -422,8 +476,11 @@ class Interpreter:
         table: Mapping[str, AutocastRule],
         handlers: Mapping[str, Callable[..., Any]],
         classes: Mapping[AutocastRule, RuleClass] = RULE_CLASSES,
+        float8: Context | None = None,
     ):
         self.dtype = dtype
+        # The float8 context (recipe, sites, delayed-scaling state), or None.
+        self.float8 = float8
         self.table = table
         self.handlers = handlers
         self.classes = classes

@@ -78,6 +78,12 @@ class AutocastRule(enum.StrEnum):
       to ``dtype`` after the gather (the table itself is never cast), as Flax's
       ``nn.Embed(dtype=float16)`` gives; so the residual stream of a transformer
       starts in ``dtype``. torch's ``embedding`` returns float32.
+    - ``FLOAT8`` (``"float8"``): ``dot_general`` under
+      ``jxs.autocast(..., float8=recipe)``: a matmul without batch dimensions
+      whose sizes reach the recipe's ``min_dim`` runs as a float8 matmul with
+      per-tensor scales (operands in float8_e4m3fn, the gradient in
+      float8_e5m2, output in ``dtype``; ``docs/float8.md``); any other
+      ``dot_general`` is ``LOWER``. Only valid together with ``float8=``.
     - ``TRACED`` (``"traced"``): castable operands are cast back to the dtypes they
       had when the function was traced, so the primitive runs exactly as written.
       Primitives missing from the table get this rule, so do regions under
@@ -98,6 +104,7 @@ class AutocastRule(enum.StrEnum):
     KEEP = "keep"
     LOOKUP = "lookup"
     TRACED = "traced"
+    FLOAT8 = "float8"
 
 
 _LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")

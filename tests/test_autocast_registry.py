@@ -161,7 +161,7 @@ def test_no_function_local_imports_of_jaxscale(path):
 
 # The floors of the wing, bottom first: a module imports only lower floors (the
 # modules outside the wing that it uses are on the ground floor).
-OUTSIDE = {"_cotangents", "_nnx", "_policy"}
+OUTSIDE = {"_cotangents", "_float8", "_float8_site", "_nnx", "_policy"}
 FLOORS = [
     {"_jax_private", "_autocast_rules", "_autocast_report_text", *OUTSIDE},
     {"_autocast_values"},

@@ -1,0 +1,269 @@
+"""The float8 API: delayed scaling's state and how it is threaded.
+
+:class:`Float8State` holds one amax history and one set of scales per float8
+site; :func:`init` finds the sites by tracing the function once;
+:func:`value_and_grad` differentiates the function with the state in scope and
+returns the new state (each site's new amax history comes back as the
+cotangent of its state, see :mod:`jaxscale._float8_site`); :func:`apply` runs
+it forward with the state (evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale._float8 import DelayedScaling
+from jaxscale._float8_site import Context, SiteState, decode, using_state
+from jaxscale._grad import value_and_grad as _scaled_value_and_grad
+
+__all__ = ["Float8State", "apply", "init", "value_and_grad"]
+
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Float8State:
+    """Delayed scaling's state: per float8 site, amax histories and scales.
+
+    A pytree of ``2 * len(sites)`` float32 arrays (checkpoint it with the rest
+    of the train state); the recipe and the sites are static. Rows of each
+    site's arrays are the activation, the weight and the gradient.
+
+    Attributes:
+      history: per site, ``f32[3, history_len]``, the newest amax first; zeros
+        until the site has run in a training step.
+      scale: per site, ``f32[3]``, the dequantisation scales the next step
+        uses (``x ~ q * scale``; Transformer Engine's ``scale_inv``).
+      recipe: the :class:`~jaxscale.float8.DelayedScaling` recipe (static).
+      sites: what identifies each site (static): where it is in the function
+        and its contracting size.
+
+    Examples:
+      >>> import jaxscale as jxs, jax.numpy as jnp
+      >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16,
+      ...                  float8=jxs.float8.DelayedScaling(16, min_dim=0))
+      >>> state = jxs.float8.init(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> len(state.sites), state.history[0].shape
+      (1, (3, 16))
+    """
+
+    history: tuple[jax.Array, ...]
+    scale: tuple[jax.Array, ...]
+    recipe: DelayedScaling = _static()
+    sites: tuple[str, ...] = _static()
+
+    def site_states(self) -> list[SiteState]:
+        return [SiteState(h, s) for h, s in zip(self.history, self.scale, strict=True)]
+
+
+def _check_state(state: Any, name: str = "state") -> Float8State:
+    if not isinstance(state, Float8State):
+        raise TypeError(
+            f"`{name}` must be a `jxs.float8.Float8State` (from `jxs.float8.init`), "
+            f"got {type(state).__name__}."
+        )
+    return state
+
+
+def _check_fun(fun: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+
+
+def init(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
+    """A fresh delayed-scaling state for the float8 sites of ``fun``.
+
+    ``fun`` is traced once (abstractly: nothing is computed) on ``args``; every
+    float8 site of every ``jxs.autocast(..., float8=DelayedScaling(...))`` call
+    it makes gets empty histories and unit scales. A site whose history is
+    empty scales by its current amax, so the first step is scaled as current
+    scaling would, and the state takes over from the second.
+
+    Sites are numbered in the order the function meets them and identified by
+    where they are (the name stack: Flax modules' names, ``jax.named_scope``)
+    and their contracting size. If the function changes (another layer, another
+    width), :func:`value_and_grad` and :func:`apply` raise rather than give one
+    site another's history: make a new state.
+
+    Args:
+      fun: the function, as it will be passed to :func:`value_and_grad`.
+      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A :class:`Float8State`.
+
+    Raises:
+      ValueError: if ``fun`` runs no autocast region with delayed scaling, or
+        that region has no float8 site (no ``dot_general`` reaches the
+        recipe's ``min_dim``).
+
+    Examples:
+      >>> import jaxscale as jxs, jax.numpy as jnp
+      >>> recipe = jxs.float8.DelayedScaling(history_len=4, min_dim=0)
+      >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16, float8=recipe)
+      >>> state = jxs.float8.init(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> state.sites
+      ('(top level): dot_general contracting 8',)
+    """
+    _check_fun(fun)
+    ctx = Context(None, recording=True)
+    with using_state(ctx):
+        jax.eval_shape(functools.partial(fun, **kwargs), *args)
+    if ctx.recipe is None:
+        raise ValueError(
+            "`fun` runs no `jxs.autocast(..., float8=DelayedScaling(...))` region "
+            "(or `float8='delayed'`): there is no delayed-scaling state to make. "
+            "Current scaling (`float8=True`) needs none."
+        )
+    if not ctx.seen:
+        raise ValueError(
+            "`fun` has no float8 site: no `dot_general` without batch dimensions "
+            f"has all sizes >= `min_dim` ({ctx.recipe.min_dim}). Lower `min_dim` "
+            "in the recipe, or use a 16-bit autocast."
+        )
+    h = ctx.recipe.history_len
+    return Float8State(
+        history=tuple(jnp.zeros((3, h), jnp.float32) for _ in ctx.seen),
+        scale=tuple(jnp.ones((3,), jnp.float32) for _ in ctx.seen),
+        recipe=ctx.recipe,
+        sites=tuple(ctx.seen),
+    )
+
+
+def _scoped(fun: Callable[..., Any], state: Float8State) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        ctx = Context(state.recipe, state.site_states(), state.sites)
+        with using_state(ctx):
+            out = fun(*args, **kwargs)
+        ctx.finish()
+        return out
+
+    return run
+
+
+def apply(fun: Callable[..., Any], state: Float8State) -> Callable[..., Any]:
+    """``fun`` with the delayed-scaling ``state`` in scope, forward only.
+
+    For evaluation: the float8 sites quantise with the state's scales; the
+    state is not updated (amaxes are recorded by training steps only).
+
+    Args:
+      fun: the function (the one :func:`init` was given).
+      state: its :class:`Float8State`.
+
+    Returns:
+      A function with ``fun``'s signature and outputs.
+
+    Examples:
+      >>> import jaxscale as jxs, jax.numpy as jnp
+      >>> recipe = jxs.float8.DelayedScaling(history_len=4, min_dim=0)
+      >>> f = jxs.autocast(lambda w, x: x @ w, jnp.bfloat16, float8=recipe)
+      >>> w, x = jnp.eye(8), jnp.ones((4, 8))
+      >>> state = jxs.float8.init(f, w, x)
+      >>> jxs.float8.apply(f, state)(w, x)[0, :3]
+      Array([1., 1., 1.], dtype=float32)
+    """
+    _check_fun(fun)
+    return _scoped(fun, _check_state(state))
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    state: Float8State,
+    loss_scale: Any = None,
+    *,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Float8State]]:
+    """``jax.value_and_grad(fun)`` that also returns the new delayed-scaling state.
+
+    ``fun``'s float8 sites read ``state``; each site's amaxes of this step
+    (activation and weight in the forward pass, gradient in the backward) go
+    into its history, and the scales for the next step are computed from the
+    histories. A site inside ``lax.scan`` records the largest amax over the
+    iterations. A site that did not run (an untaken ``lax.cond`` branch) keeps
+    its state.
+
+    With ``loss_scale`` (an optimizer state holding a
+    :class:`~jaxscale.DynamicScalingState`, or a loss scale), the loss is scaled
+    as :func:`jaxscale.value_and_grad` does, for float16 compute.
+
+    Args:
+      fun: a function of parameters (its first argument, a pytree of arrays)
+        and more, returning a scalar loss (or ``(loss, aux)``).
+      state: the :class:`Float8State` from :func:`init`.
+      loss_scale: ``None`` (no loss scaling: bfloat16 compute) or what
+        :func:`jaxscale.value_and_grad` takes.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``fun``'s arguments returning ``(value, grads, new_state)``;
+      ``value`` is ``loss`` or ``(loss, aux)``, ``grads`` the gradients with
+      respect to the first argument (of the scaled loss when ``loss_scale`` is
+      given).
+
+    Raises:
+      ValueError: if ``fun`` no longer has the sites ``state`` was made for.
+      TypeError: if ``state`` is not a :class:`Float8State`.
+
+    Examples:
+      >>> import jaxscale as jxs, jax.numpy as jnp
+      >>> recipe = jxs.float8.DelayedScaling(history_len=4, min_dim=0)
+      >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16, float8=recipe)
+      >>> w, x = jnp.full((8, 8), 0.5), jnp.full((4, 8), 2.0)
+      >>> state = jxs.float8.init(f, w, x)
+      >>> loss, grads, state = jxs.float8.value_and_grad(f, state)(w, x)
+      >>> float(loss), grads.shape
+      (256.0, (8, 8))
+      >>> state.history[0][:, 0]  # amaxes of activation, weight, gradient
+      Array([2. , 0.5, 1. ], dtype=float32)
+    """
+    _check_fun(fun)
+    state = _check_state(state)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be a bool, got {type(has_aux).__name__}.")
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Float8State]:
+        if not args:
+            raise TypeError(
+                "The function returned by `jxs.float8.value_and_grad` needs the "
+                "parameters as its first positional argument."
+            )
+
+        def inner(both: tuple[Any, Float8State], *rest: Any) -> Any:
+            params, st = both
+            return _scoped(fun, st)(params, *rest, **kwargs)
+
+        primal = (args[0], state)
+        if loss_scale is None:
+            value, (grads, ct) = jax.value_and_grad(inner, has_aux=has_aux)(
+                primal, *args[1:]
+            )
+        else:
+            value, (grads, ct) = _scaled_value_and_grad(
+                inner, loss_scale, has_aux=has_aux
+            )(primal, *args[1:])
+        new = [
+            decode(state.recipe, old, (h, s))
+            for old, h, s in zip(state.site_states(), ct.history, ct.scale, strict=True)
+        ]
+        return (
+            value,
+            grads,
+            dataclasses.replace(
+                state,
+                history=tuple(n.history for n in new),
+                scale=tuple(n.scale for n in new),
+            ),
+        )
+
+    return wrapped

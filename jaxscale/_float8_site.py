@@ -1,0 +1,341 @@
+"""One float8 matmul site: the ``custom_vjp`` and the trace-time context.
+
+A *site* is one ``dot_general`` equation of the function that
+:func:`jaxscale.autocast` runs in float8. Its operands are put in the form
+XLA:GPU's GEMM rewriter turns into a cuBLASLt float8 call (two matrices,
+``[M, K] x [K, N]``, one contracting and one free dimension each, scalar
+scales, output float32 then scaled and cast), by transposes and reshapes that
+are ordinary (differentiable) JAX operations; the ``custom_vjp`` sees only the
+matrices:
+
+- forward: ``x`` and ``w`` quantised to ``fwd_dtype`` (e4m3) with their scales,
+  ``dot(qx, qw) * (sx * sw)`` in float32, cast to the compute dtype;
+- backward: the incoming gradient ``g`` quantised to ``bwd_dtype`` (e5m2), then
+  ``dx = dot(qg, qw^T) * (sg * sw)`` and ``dw = dot(qx^T, qg) * (sx * sg)``,
+  both float8 products, reusing the quantised ``qx`` and ``qw`` saved by the
+  forward (half the memory of 16-bit residuals).
+
+Delayed scaling's per-site state (:class:`SiteState`: ``f32[3, H]`` amax
+histories and ``f32[3]`` scales, rows activation/weight/gradient) enters the
+``custom_vjp`` as an input. Its *cotangent* carries the site's new history, and
+ones in place of the scales as a flag that the site ran (an unused site, or one
+in an untaken ``cond`` branch, gets a zero cotangent and keeps its state);
+:func:`decode` turns the cotangent back into the new state. Inside a
+``lax.scan`` the state enters as a per-iteration input broadcast by
+:func:`broadcast_max`, whose transpose takes the maximum over iterations
+instead of the sum (the amax of a site run ``n`` times is the max of its
+``n`` amaxes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxscale._float8 import (
+    DelayedScaling,
+    Recipe,
+    amax,
+    quantize,
+    scale_from_amax,
+)
+
+__all__ = [
+    "Context",
+    "SiteState",
+    "broadcast_max",
+    "current_context",
+    "decode",
+    "eligible",
+    "float8_dot",
+    "suspended",
+]
+
+_F32 = np.dtype("float32")
+
+
+class SiteState(NamedTuple):
+    """Delayed scaling's state of one site: rows activation, weight, gradient."""
+
+    history: jax.Array  # f32[3, H]
+    scale: jax.Array  # f32[3]
+
+
+# --------------------------------------------------------------------------- #
+# Trace-time context: which sites exist, and the state they read
+# --------------------------------------------------------------------------- #
+
+
+class Context:
+    """The float8 side of :func:`jaxscale.autocast` evaluations.
+
+    ``recipe`` says how to scale (``None`` while recording sites for
+    :func:`jaxscale.float8.init`, until an autocast sets it); ``state`` is
+    ``None`` (current scaling, or recording) or the list of :class:`SiteState`
+    of a delayed-scaling state, read in site order; ``signatures`` are the
+    sites the state was made for and ``seen`` those met so far. One context
+    spans every autocast call made while it is in scope (a loss that calls the
+    model twice has twice the sites).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe | None,
+        state: Sequence[SiteState] | None = None,
+        signatures: Sequence[str] | None = None,
+        recording: bool = False,
+    ):
+        self.recipe = recipe
+        self.state = list(state) if state is not None else None
+        self.signatures = tuple(signatures) if signatures is not None else None
+        self.recording = recording
+        self.seen: list[str] = []
+        self.suspended = 0
+
+    @property
+    def delayed(self) -> bool:
+        return isinstance(self.recipe, DelayedScaling)
+
+    @property
+    def threads_state(self) -> bool:
+        """Sites read state arrays (delayed scaling, not recording)."""
+        return self.state is not None and not self.suspended
+
+    def next_site(self, signature: str) -> SiteState | None:
+        """Registers a site; its state (delayed scaling), else ``None``."""
+        i = len(self.seen)
+        self.seen.append(signature)
+        if self.state is None:
+            return None
+        if self.signatures is not None and (
+            i >= len(self.signatures) or self.signatures[i] != signature
+        ):
+            raise ValueError(_changed(self.signatures, self.seen))
+        return self.state[i]
+
+    def finish(self) -> None:
+        """Raises if fewer sites were met than the state holds."""
+        if self.signatures is not None and len(self.seen) != len(self.signatures):
+            raise ValueError(_changed(self.signatures, self.seen))
+
+    def restart_at(self, n: int) -> None:
+        """Forget the sites met after the first ``n`` (a body traced again)."""
+        del self.seen[n:]
+
+
+def _changed(expected: Sequence[str], seen: Sequence[str]) -> str:
+    i = next(
+        (k for k, (a, b) in enumerate(zip(expected, seen, strict=False)) if a != b),
+        min(len(expected), len(seen)),
+    )
+    got = seen[i] if i < len(seen) else "(no more sites)"
+    want = expected[i] if i < len(expected) else "(no more sites)"
+    return (
+        "The float8 state does not fit this function: its structure changed since "
+        f"`jxs.float8.init` (the state has {len(expected)} float8 site(s), the "
+        f"function {'at least ' if len(seen) > len(expected) else ''}{len(seen)}"
+        f" so far; site {i}: state {want!r}, function {got!r}). Make a new state "
+        "with `jxs.float8.init` for the new function (the amax histories start "
+        "afresh), or keep the function as it was when the state was made."
+    )
+
+
+# The innermost active delayed-scaling states, set by jxs.float8.value_and_grad
+# and jxs.float8.apply while they trace the function (trace time only).
+_STATES: list[Any] = []
+
+
+@contextlib.contextmanager
+def using_state(state: Any) -> Iterator[None]:
+    _STATES.append(state)
+    try:
+        yield
+    finally:
+        _STATES.pop()
+
+
+def current_context() -> Any:
+    """The :class:`~jaxscale.float8.Float8State` in scope, or ``None``."""
+    return _STATES[-1] if _STATES else None
+
+
+@contextlib.contextmanager
+def suspended(ctx: Context | None) -> Iterator[None]:
+    """No float8 inside (custom-derivative rules written by the user: their
+    backward would not see our quantisation)."""
+    if ctx is None:
+        yield
+        return
+    ctx.suspended += 1
+    try:
+        yield
+    finally:
+        ctx.suspended -= 1
+
+
+# --------------------------------------------------------------------------- #
+# Which dots, and in which form
+# --------------------------------------------------------------------------- #
+
+
+def eligible(params: Any, lhs_shape: tuple, rhs_shape: tuple, min_dim: int) -> bool:
+    """A ``dot_general`` that runs in float8: no batch dimensions, and the
+    contracting size and both free sizes at least ``min_dim``."""
+    (cx, cw), (bx, bw) = params["dimension_numbers"]
+    if bx or bw or not cx:
+        return False
+    k = math.prod(lhs_shape[d] for d in cx)
+    m = math.prod(s for d, s in enumerate(lhs_shape) if d not in cx)
+    n = math.prod(s for d, s in enumerate(rhs_shape) if d not in cw)
+    return min(m, k, n) >= max(min_dim, 1)
+
+
+def signature(params: Any, lhs_shape: tuple, where: str) -> str:
+    """What identifies a site across traces: where it is (the name stack) and its
+    contracting size (not the batch, which may change between calls)."""
+    (cx, _), _ = params["dimension_numbers"]
+    k = math.prod(lhs_shape[d] for d in cx)
+    return f"{where or '(top level)'}: dot_general contracting {k}"
+
+
+def _matrix(x: jax.Array, contract: Sequence[int], contract_last: bool) -> jax.Array:
+    free = [d for d in range(x.ndim) if d not in contract]
+    order = [*free, *contract] if contract_last else [*contract, *free]
+    if order != list(range(x.ndim)):
+        x = jnp.transpose(x, order)
+    k = math.prod(x.shape[len(free) :] if contract_last else x.shape[: len(contract)])
+    return x.reshape((-1, k) if contract_last else (k, -1))
+
+
+def float8_dot(
+    x: jax.Array,
+    w: jax.Array,
+    dimension_numbers: Any,
+    out_dtype: np.dtype,
+    recipe: Recipe,
+    site: SiteState | None,
+) -> jax.Array:
+    """``lax.dot_general(x, w, dimension_numbers)`` as a float8 matmul."""
+    (cx, cw), _ = dimension_numbers
+    x2 = _matrix(x, cx, contract_last=True)
+    w2 = _matrix(w, cw, contract_last=False)
+    out_shape = [s for d, s in enumerate(x.shape) if d not in cx] + [
+        s for d, s in enumerate(w.shape) if d not in cw
+    ]
+    state = () if site is None else tuple(site)
+    key = (np.dtype(out_dtype), np.dtype(x.dtype), np.dtype(w.dtype), recipe)
+    y = _f8_matmul(key, x2, w2, state)
+    return y.reshape(out_shape)
+
+
+def _scales(
+    recipe: Recipe, state: tuple, tensors: Sequence[jax.Array], rows: Sequence[int]
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Each tensor's scale and its amax: current scaling from the amax; delayed
+    from the state, or from the amax while the site's history is empty."""
+    dtypes = {0: recipe.fwd_dtype, 1: recipe.fwd_dtype, 2: recipe.bwd_dtype}
+    scales, amaxes = [], []
+    for t, r in zip(tensors, rows, strict=True):
+        a = amax(t)
+        now = scale_from_amax(a, dtypes[r], recipe.margin)
+        if state:
+            history, scale = state
+            fresh = jnp.max(history[r]) <= 0  # no step recorded yet
+            now = jnp.where(fresh, now, scale[r])
+        scales.append(lax.stop_gradient(now))
+        amaxes.append(lax.stop_gradient(a))
+    return scales, amaxes
+
+
+def _gemm(a: jax.Array, b: jax.Array, contract: tuple, scale: jax.Array, dtype):
+    y = lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return (y * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _f8_matmul(key: tuple, x: jax.Array, w: jax.Array, state: tuple) -> jax.Array:
+    return _fwd(key, x, w, state)[0]
+
+
+def _fwd(key, x, w, state):
+    out_dtype, _, _, recipe = key
+    (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1])
+    qx = quantize(x, sx, recipe.fwd_dtype)
+    qw = quantize(w, sw, recipe.fwd_dtype)
+    y = _gemm(qx, qw, ((1,), (0,)), sx * sw, out_dtype)
+    return y, (qx, qw, sx, sw, ax, aw, state)
+
+
+def _bwd(key, res, g):
+    _, x_dtype, w_dtype, recipe = key
+    qx, qw, sx, sw, ax, aw, state = res
+    (sg,), (ag,) = _scales(recipe, state, [g], [2])
+    qg = quantize(g, sg, recipe.bwd_dtype)
+    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # [M,N] x [K,N]^T
+    dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # [M,K]^T x [M,N]
+    if not state:
+        return dx, dw, ()
+    history, scale = state
+    new = jnp.roll(history, 1, axis=1).at[:, 0].set(jnp.stack([ax, aw, ag]))
+    return dx, dw, (new, jnp.ones_like(scale))
+
+
+_f8_matmul.defvjp(_fwd, _bwd)
+
+
+def decode(recipe: DelayedScaling, old: SiteState, ct: Any) -> SiteState:
+    """A site's new state from the cotangent its ``custom_vjp`` gave its state
+    (see the module docstring); the old state where the site did not run."""
+    ct_history, ran = ct
+    ran = ran[0] > 0
+    history = jnp.where(ran, ct_history, old.history)
+    finite = jnp.where(jnp.isfinite(history), history, 0.0)
+    peak = jnp.max(finite, axis=1)
+    dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
+    scale = jnp.stack(
+        [
+            scale_from_amax(peak[r], dtypes[r], recipe.margin, old.scale[r])
+            for r in range(3)
+        ]
+    )
+    return SiteState(history, jnp.where(ran, scale, old.scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def broadcast_max(tree: Any, n: int) -> Any:
+    """``tree`` stacked ``n`` times along a new leading axis; its transpose is
+    the maximum over that axis (not the sum)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def _bmax_fwd(tree, n):
+    return broadcast_max(tree, n), None
+
+
+def _bmax_bwd(n, _, ct):
+    return (jax.tree.map(lambda c: jnp.max(c, axis=0), ct),)
+
+
+broadcast_max.defvjp(_bmax_fwd, _bmax_bwd)
+
+
+def quantised_operands(
+    x: jax.Array, w: jax.Array, dimension_numbers: Any, recipe: Recipe
+) -> tuple[jax.Array, jax.Array]:
+    """The matrices a site multiplies, dequantised (for the report)."""
+    (cx, cw), _ = dimension_numbers
+    x2 = _matrix(x, cx, contract_last=True)
+    w2 = _matrix(w, cw, contract_last=False)
+    out = []
+    for t in (x2, w2):
+        s = scale_from_amax(amax(t), recipe.fwd_dtype, recipe.margin)
+        out.append(quantize(t, s, recipe.fwd_dtype).astype(_F32) * s)
+    return out[0], out[1]
