@@ -27,7 +27,7 @@ from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
 
-__all__ = ["autocast", "check_dtype", "interpret"]
+__all__ = ["autocast", "check_dtype", "interpret", "names_dot"]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
 _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
@@ -222,7 +222,7 @@ def autocast(
     dt = check_dtype(dtype)
     table = resolve_rules(rules)
     recipe = check_recipe(float8)
-    if recipe is not None and not (rules and _names_dot(rules)):
+    if recipe is not None and not (rules and names_dot(rules)):
         table["dot_general"] = AutocastRule.FLOAT8
     if recipe is None and AutocastRule.FLOAT8 in table.values():
         raise ValueError(
@@ -265,7 +265,7 @@ def autocast(
     return wrapper
 
 
-def _names_dot(rules: Mapping[Any, Any]) -> bool:
+def names_dot(rules: Mapping[Any, Any]) -> bool:
     return any(
         (k if isinstance(k, str) else getattr(k, "name", None)) == "dot_general"
         for k in rules

@@ -164,7 +164,11 @@ def _key(path: Sequence[Any], eqn: Any) -> tuple[int, ...]:
     return (*map(id, path), id(eqn))
 
 
-def _ran_in(name: str, operands: Sequence[Any], outs: Sequence[Any]) -> str:
+def _ran_in(
+    name: str, operands: Sequence[Any], outs: Sequence[Any], notes: Sequence[str] = ()
+) -> str:
+    if any(n.startswith("float8 site") for n in notes):
+        return "float8"
     floats = [dtype_of(v) for v in operands if floating(dtype_of(v))]
     if floats and name != "convert_element_type":
         return max(floats, key=lambda d: np.dtype(d).itemsize).name
@@ -297,7 +301,7 @@ class Census(_Walker):
             "eqns": (*path, eqn),
             "name": name,
             "rule": rec.rule,
-            "ran_in": _ran_in(name, rec.operands, rec.outs),
+            "ran_in": _ran_in(name, rec.operands, rec.outs, rec.notes),
             "outs": [(tuple(np.shape(o)), np.dtype(dtype_of(o))) for o in rec.outs],
             "notes": rec.notes,
             "island": island,
@@ -380,7 +384,8 @@ class Compare(_Walker):
             location=location,
             shape=tuple(np.shape(out)),
             dtype=np.dtype(dtype_of(out)).name,
-            note=f"{rec.rule.value}, ran in {_ran_in('', rec.operands, rec.outs)}",
+            note=f"{rec.rule.value}, ran in "
+            f"{_ran_in('', rec.operands, rec.outs, rec.notes)}",
             abs_error=abs_error,
             rel_error=rel_error,
             local_error=self._local(rec, vals, infos, ids),

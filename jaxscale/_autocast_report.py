@@ -24,13 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast import check_dtype, interpret
+from jaxscale._autocast import check_dtype, interpret, names_dot
 from jaxscale._autocast_census import INLINE_HANDLERS, Census, Compare, source_of
 from jaxscale._autocast_hop import HANDLERS
 from jaxscale._autocast_report_text import render
 from jaxscale._autocast_rules import AutocastRule, resolve_rules
 from jaxscale._autocast_values import floating
 from jaxscale._cotangents import as_pure
+from jaxscale._float8 import CurrentScaling, DelayedScaling, check_recipe
+from jaxscale._float8_site import Context
 
 __all__ = ["AutocastReport", "AutocastSite", "autocast_report"]
 
@@ -226,6 +228,8 @@ def _build(
     constants, norms = [], []
     for e in entries:
         for note in e["notes"]:
+            if note.startswith("float8 site"):
+                continue  # counted as "float8" in by_primitive and by_source
             (constants if note.startswith("constant") else norms).append(_site(e, note))
     if deviation is not None:
         deviation = tuple(
@@ -279,6 +283,7 @@ def autocast_report(
     rules: Mapping[Any, Any] | None = None,
     compare: bool = False,
     min_size: int | None = None,
+    float8: Any = None,
 ) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to ``fun``: each operation's dtype, and where.
 
@@ -324,6 +329,10 @@ def autocast_report(
         activation for the islands. Default: the largest output of a matmul or
         convolution (``lower`` rule) divided by 16, at least 1, so that the
         statistics of a norm and other per-channel values do not count.
+      float8: as for :func:`autocast`. Each float8 matmul's note says so
+        (``float8 site k``), and with ``compare=True`` its error against
+        float32 is listed with the others: where float8 lost most. A delayed
+        recipe is reported with current scaling (the report has no state).
 
     Returns:
       A function with ``fun``'s signature returning an :class:`AutocastReport`.
@@ -380,6 +389,16 @@ def autocast_report(
         )
     dt = check_dtype(dtype)
     table = resolve_rules(rules)
+    recipe = check_recipe(float8)
+    if isinstance(recipe, DelayedScaling):  # no state here: current scaling
+        recipe = CurrentScaling(
+            fwd_dtype=recipe.fwd_dtype,
+            bwd_dtype=recipe.bwd_dtype,
+            margin=recipe.margin,
+            min_dim=recipe.min_dim,
+        )
+    if recipe is not None and not (rules and names_dot(rules)):
+        table["dot_general"] = AutocastRule.FLOAT8
     if not isinstance(compare, bool | np.bool_):
         raise TypeError(f"`compare` must be a Python bool, got {compare!r}.")
     if min_size is not None:
@@ -399,6 +418,7 @@ def autocast_report(
                 "outside `jax.jit` and other transformations."
             )
         census = Census(dt, table, HANDLERS)
+        census.float8 = Context(recipe) if recipe is not None else None
         pure, arrays = _abstract_pure(
             lambda *a, **kw: interpret(fun, census, a, kw), args, kwargs
         )
@@ -406,6 +426,7 @@ def autocast_report(
         deviation = None
         if compare:
             it = Compare(dt, table, INLINE_HANDLERS)
+            it.float8 = Context(recipe) if recipe is not None else None
             pure, arrays = as_pure(
                 lambda *a, **kw: interpret(fun, it, a, kw), args, kwargs
             )

@@ -87,7 +87,7 @@ class _RecipeBase:
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
     margin: float = 0.0
-    min_dim: int = 1024
+    min_dim: int = 4096
 
     def _validated(self) -> dict[str, Any]:
         fwd = _float8_dtype(self.fwd_dtype, "fwd_dtype")

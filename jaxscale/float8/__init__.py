@@ -14,13 +14,17 @@ from jaxscale._float8_api import Float8State as Float8State
 from jaxscale._float8_api import apply as apply
 from jaxscale._float8_api import init as init
 from jaxscale._float8_api import value_and_grad as value_and_grad
+from jaxscale._float8_check import Float8GemmReport as Float8GemmReport
+from jaxscale._float8_check import gemm_report as gemm_report
 
 __all__ = [
     "CurrentScaling",
     "DelayedScaling",
+    "Float8GemmReport",
     "Float8State",
     "apply",
     "dequantize",
+    "gemm_report",
     "init",
     "quantize",
     "scale_from_amax",

@@ -1,0 +1,273 @@
+"""Float8 matmuls on one GPU: ``jxs.autocast(..., float8=...)`` against bfloat16.
+
+Two measurements, each variant timed side by side in one process in interleaved
+rounds (the order rotating every round), ratios paired per round against the
+bfloat16 autocast step:
+
+* ``sweep``: one matmul site, ``loss = sum((x @ w) * r)`` with gradients for
+  ``w`` and ``x`` (the forward product and both backward products), at
+  ``M = 8192`` tokens and ``K = N = d`` for several ``d``: bfloat16 autocast,
+  float8 current scaling, float8 delayed scaling (the state threaded through the
+  step). This is what ``min_dim``'s default rests on: below some size the
+  quantisation passes (an amax reduction and a cast per operand) cost more than
+  the faster GEMM saves.
+* ``models``: whole train steps (loss, gradients, AdamW) of the decoder of
+  ``benchmarks/gpu.py`` (Flax linen, float32 parameters, attention written out)
+  under ``jxs.autocast(..., jnp.bfloat16)``, without and with float8 (every
+  dense layer and the tied output head; the attention's batched products stay
+  bfloat16): GPT-2-small (``realistic``) and a wider one (``wide``: d 4096, MLP
+  16384, 4 layers).
+
+For every compiled program it prints :func:`jaxscale.float8.gemm_report`: the
+float8 dots of the lowered program, how many are in the form XLA:GPU's GEMM
+rewriter takes, and (on a GPU) how many cuBLASLt float8 GEMMs were compiled.
+
+Run it from the repository root on a machine with one NVIDIA GPU (Hopper or
+later for float8 GEMMs) and paste back all of stdout::
+
+    python benchmarks/float8.py
+
+``--tiny`` runs small sizes on whatever JAX finds (the test suite runs it on the
+CPU, where float8 products are computed in float32: the timings there say
+nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import gpu  # noqa: E402 (after the path)
+
+import jaxscale as jxs  # noqa: E402
+from jaxscale._float8_check import summarize  # noqa: E402 (one compile per step)
+
+BF16 = jnp.bfloat16
+VARIANTS = ("bfloat16", "float8 current", "float8 delayed")
+HISTORY = 16  # amax history of the delayed recipe in these runs
+
+SWEEP = {
+    "full": (8192, (256, 512, 768, 1024, 2048, 4096, 8192)),
+    "tiny": (64, (32, 64)),
+}
+MODELS = {
+    "full": {
+        "realistic": gpu.Size(12, 768, 12, 3072, 50304, 1024, 8),
+        "wide": gpu.Size(4, 4096, 32, 16384, 32768, 1024, 4),
+    },
+    "tiny": {"realistic": gpu.Size(1, 64, 4, 256, 512, 64, 2)},
+}
+ROUNDS = {
+    "full": {"sweep": (7, 20), "models": (5, 5)},
+    "tiny": {"sweep": (2, 2), "models": (2, 2)},
+}
+
+
+def recipes() -> dict[str, Any]:
+    return {
+        "bfloat16": None,
+        "float8 current": jxs.float8.CurrentScaling(min_dim=0),
+        "float8 delayed": jxs.float8.DelayedScaling(HISTORY, min_dim=0),
+    }
+
+
+def grad_step(
+    loss_fn: Callable[..., Any], recipe: Any, args: tuple, tx: Any = None
+) -> tuple[Callable[..., Any], tuple]:
+    """A jitted step ``carry -> (carry, loss)`` and its first carry.
+
+    Without ``tx``: gradients of every argument (the sweep). With ``tx``: a
+    train step of the first argument (params), the rest being the batch.
+    """
+    f = jxs.autocast(loss_fn, BF16, float8=recipe)
+    delayed = isinstance(recipe, jxs.float8.DelayedScaling)
+    state = jxs.float8.init(f, *args) if delayed else None
+    if tx is None:
+        argnums = tuple(range(len(args)))
+
+        def step(carry):
+            args, st = carry
+            if delayed:
+                loss, grads, st = jxs.float8.value_and_grad(
+                    lambda a, *r: f(*a, *r), st
+                )(args)
+            else:
+                loss, grads = jax.value_and_grad(f, argnums)(*args)
+            # Feed the gradients back (scaled down) so no step is dead code.
+            args = tuple(
+                a - 1e-6 * g.astype(a.dtype) for a, g in zip(args, grads, strict=True)
+            )
+            return (args, st), loss
+
+        return jax.jit(step, donate_argnums=0), (args, state)
+
+    params, batch = args[0], args[1:]
+
+    def train(carry):
+        params, opt_state, st = carry
+        if delayed:
+            loss, grads, st = jxs.float8.value_and_grad(f, st)(params, *batch)
+        else:
+            loss, grads = jax.value_and_grad(f)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, st), loss
+
+    return jax.jit(train, donate_argnums=0), (params, tx.init(params), state)
+
+
+def time_variants(steps: dict, carry: dict, rounds: int, n: int) -> dict[str, list]:
+    # gpu.time_rounds calls step(state, batch) -> (state, out).
+    wrapped = {k: (lambda c, _b, s=s: s(c)) for k, s in steps.items()}
+    return gpu.time_rounds(wrapped, carry, None, rounds, n, jax.block_until_ready)
+
+
+def compile_all(
+    steps: dict, carry: dict, label: str
+) -> tuple[dict, dict[str, float], dict[str, Any]]:
+    """Compiled steps, compile seconds and gemm reports per variant."""
+    compiled, secs, reports = {}, {}, {}
+    for name, step in steps.items():
+        t0 = time.perf_counter()
+        lowered = step.lower(carry[name])
+        compiled[name] = lowered.compile()
+        secs[name] = time.perf_counter() - t0
+        hlo = compiled[name].as_text() if jax.default_backend() == "gpu" else None
+        reports[name] = summarize(lowered.as_text(), hlo, jax.default_backend())
+        gpu.log(f"{label}: {name}: compiled in {secs[name]:.1f}s; {reports[name]}")
+    return compiled, secs, reports
+
+
+def run_sweep(mode: str) -> list[str]:
+    m, dims = SWEEP[mode]
+    rounds, n = ROUNDS[mode]["sweep"]
+    lines = [
+        f"| d (M = {m}, K = N = d) | variant | ms (median) | TFLOP/s | ratio vs "
+        "bf16 [q25, q75] | float8 dots / rewritable / GEMMs |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def loss(w, x, r):
+        return jnp.sum((x @ w) * r)
+
+    for d in dims:
+        k = jax.random.split(jax.random.key(d), 3)
+        w = jax.random.normal(k[0], (d, d), jnp.float32) * d**-0.5
+        x = jax.random.normal(k[1], (m, d), jnp.float32)
+        r = jax.random.normal(k[2], (m, d), jnp.float32) / m
+        steps, carry = {}, {}
+        for name, recipe in recipes().items():
+            fresh = jax.tree.map(jnp.copy, (w, x, r))  # each variant donates its own
+            steps[name], carry[name] = grad_step(loss, recipe, fresh)
+        compiled, _, reports = compile_all(steps, carry, f"sweep d={d}")
+        fns = {k: (lambda c, s=c_: s(c)) for k, c_ in compiled.items()}
+        for name in fns:  # warm-up
+            carry[name], out = fns[name](carry[name])
+        jax.block_until_ready(carry)
+        times = time_variants(fns, carry, rounds, n)
+        flops = 3 * 2 * m * d * d
+        for name in VARIANTS:
+            med = statistics.median(times[name])
+            ratio = gpu.paired(times, name, "bfloat16")
+            rep = reports[name]
+            lines.append(
+                f"| {d} | {name} | {med * 1e3:.3f} | {flops / med / 1e12:.1f} | "
+                f"{ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] | "
+                f"{rep.float8_dots} / {rep.rewritable} / {rep.float8_gemms} |"
+            )
+    return lines
+
+
+def run_models(mode: str) -> list[str]:
+    rounds, n = ROUNDS[mode]["models"]
+    lines = [
+        "| model | variant | step ms (median) | tokens/s | ratio vs bf16 [q25, q75] "
+        "| compile s | float8 dots / rewritable / GEMMs | loss after timing |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, size in MODELS[mode].items():
+        key_p, key_d = jax.random.split(jax.random.key(0))
+        tokens = jax.random.randint(key_d, (size.batch, size.seq + 1), 0, size.vocab)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        params = jax.jit(gpu.GPT(size).init)(key_p, x)
+        net = gpu.GPT(size)
+
+        def loss_fn(params, x, y, net=net):
+            return gpu.cross_entropy(net.apply(params, x), y)
+
+        tx = optax.adamw(gpu.LR, weight_decay=gpu.WEIGHT_DECAY)
+        steps, carry = {}, {}
+        for name, recipe in recipes().items():
+            p = jax.tree.map(jnp.copy, params)
+            steps[name], carry[name] = grad_step(loss_fn, recipe, (p, x, y), tx)
+            # x and y are the batch: only the params and states are donated.
+        del params
+        compiled, secs, reports = compile_all(steps, carry, model)
+        fns = {k: (lambda c, s=c_: s(c)) for k, c_ in compiled.items()}
+        losses = {}
+        for name in fns:
+            for _ in range(2):
+                carry[name], losses[name] = fns[name](carry[name])
+        jax.block_until_ready(carry)
+        times = time_variants(fns, carry, rounds, n)
+        for name in fns:
+            carry[name], losses[name] = fns[name](carry[name])
+        tokens_per_step = size.batch * size.seq
+        for name in VARIANTS:
+            med = statistics.median(times[name])
+            ratio = gpu.paired(times, name, "bfloat16")
+            rep = reports[name]
+            lines.append(
+                f"| {model} | {name} | {med * 1e3:.3f} | {tokens_per_step / med:,.0f} "
+                f"| {ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] | {secs[name]:.1f} "
+                f"| {rep.float8_dots} / {rep.rewritable} / {rep.float8_gemms} "
+                f"| {float(losses[name]):.4f} |"
+            )
+        del carry, compiled, fns, steps
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes (CPU)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["sweep", "models"], default=["sweep", "models"]
+    )
+    args = parser.parse_args(argv)
+    mode = "tiny" if args.tiny else "full"
+    if mode == "full" and jax.default_backend() != "gpu":
+        print(
+            "No GPU: run `python benchmarks/float8.py --tiny` to check the script "
+            "on a CPU.",
+            file=sys.stderr,
+        )
+        return 2
+    dev = jax.devices()[0]
+    print(
+        f"env: jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}, "
+        f"jaxscale {jxs.__version__}, device {dev.device_kind} ({dev.platform})"
+    )
+    for part in args.parts:
+        lines = run_sweep(mode) if part == "sweep" else run_models(mode)
+        print(f"\n{part}:")
+        print("\n".join(lines), flush=True)
+    print(f"env: total wall time {time.time() - gpu.START['time']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Does a compiled step hold float8 GEMMs? :func:`gemm_report`.
+
+XLA:GPU's GEMM rewriter (``xla/service/gpu/transforms/gemm_rewriter.cc``) turns a
+``dot`` of float8 operands into a cuBLASLt float8 call (custom call
+``__cublas$lt$matmul$f8``) only in a narrow form, and otherwise falls back to a
+16-bit or float32 product without a word: two matrices with one contracting and
+one free dimension each and no batch dimension, not both operands
+``float8_e5m2``, the output ``bfloat16``, ``float16`` or ``float32``, scales that
+are scalars. :func:`gemm_report` reads the lowered program (any backend: the
+form is checked where the rewriter would see it) and, on a GPU, the compiled
+one (the GEMMs really emitted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = ["Float8GemmReport", "gemm_report", "summarize"]
+
+_DOT = re.compile(
+    r"stablehlo\.dot_general\s+(?P<args>.*?):\s*\((?P<types>.*?)\)\s*->\s*(?P<out>tensor<[^>]*>)"
+)
+_TENSOR = re.compile(r"tensor<(?P<body>[^>]*)>")
+_DIMS = re.compile(
+    r"(?P<kind>batching_dims|contracting_dims)\s*=\s*\[(?P<l>[^\]]*)\]\s*x\s*\[(?P<r>[^\]]*)\]"
+)
+_F8 = ("f8E4M3FN", "f8E5M2")
+_OUT_OK = ("bf16", "f16", "f32")
+_CUBLAS_F8 = '"__cublas$lt$matmul$f8"'
+
+
+class Float8GemmReport(NamedTuple):
+    """What :func:`gemm_report` found.
+
+    Attributes:
+      platform: the backend the function was lowered and compiled for.
+      float8_dots: ``dot_general`` operations with float8 operands in the lowered
+        program.
+      rewritable: how many of them are in the form XLA:GPU's GEMM rewriter turns
+        into a cuBLASLt float8 GEMM.
+      float8_gemms: cuBLASLt float8 GEMM calls in the compiled program (on a GPU;
+        ``None`` elsewhere: XLA:CPU computes float8 products in float32).
+      problems: for each float8 dot not in that form, why not.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> r = jxs.float8.Float8GemmReport("gpu", 3, 3, 3, ())
+      >>> r.ok
+      True
+    """
+
+    platform: str
+    float8_dots: int
+    rewritable: int
+    float8_gemms: int | None
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Every float8 dot is rewritable and, on a GPU, became a float8 GEMM."""
+        if self.rewritable != self.float8_dots:
+            return False
+        return self.float8_gemms is None or self.float8_gemms >= self.float8_dots
+
+    def __str__(self) -> str:
+        gemms = (
+            "not compiled for a GPU"
+            if self.float8_gemms is None
+            else f"{self.float8_gemms} cuBLASLt float8 GEMM(s) compiled"
+        )
+        lines = [
+            f"float8 GEMM check ({self.platform}): {self.float8_dots} float8 dot(s), "
+            f"{self.rewritable} in the form XLA:GPU rewrites, {gemms}: "
+            f"{'ok' if self.ok else 'NOT ok'}"
+        ]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _shape_dtype(t: str) -> tuple[list[str], str]:
+    parts = _TENSOR.match(t.strip()).group("body").split("x")
+    return parts[:-1], parts[-1]
+
+
+def _check(line: str) -> tuple[bool, str | None]:
+    """Is the dot a float8 dot, and if so what is wrong with it (None: fine)."""
+    m = _DOT.search(line)
+    if m is None:
+        return False, None
+    types = _TENSOR.findall(m.group("types"))
+    if len(types) != 2:
+        return False, None
+    (ls, ld), (rs, rd) = (_shape_dtype(f"tensor<{t}>") for t in types)
+    if ld not in _F8 and rd not in _F8:
+        return False, None
+    _, od = _shape_dtype(m.group("out"))
+    dims = {d.group("kind"): d for d in _DIMS.finditer(m.group("args"))}
+    why = []
+    if ld not in _F8 or rd not in _F8:
+        why.append(f"one operand is not float8 ({ld} x {rd})")
+    if ld == rd == "f8E5M2":
+        why.append("both operands are float8_e5m2")
+    if "batching_dims" in dims:
+        why.append("it has batch dimensions")
+    if len(ls) != 2 or len(rs) != 2:
+        why.append(f"operands of rank {len(ls)} and {len(rs)}, not matrices")
+    c = dims.get("contracting_dims")
+    if (
+        c is None
+        or len(c.group("l").split(",")) != 1
+        or len(c.group("r").split(",")) != 1
+    ):
+        why.append("not exactly one contracting dimension per operand")
+    if od not in _OUT_OK:
+        why.append(f"output {od}")
+    if why:
+        shape = f"{'x'.join(ls)}x{ld} . {'x'.join(rs)}x{rd} -> {od}"
+        return True, f"{shape}: " + "; ".join(why)
+    return True, None
+
+
+def gemm_report(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8GemmReport:
+    """Checks that ``fun``'s float8 matmuls become float8 GEMMs when compiled.
+
+    ``fun`` (jitted or not: a train step, a loss) is lowered on ``args`` for the
+    default backend. Every ``dot_general`` with float8 operands is checked
+    against the form XLA:GPU's GEMM rewriter needs; on a GPU the program is also
+    compiled and its cuBLASLt float8 GEMM calls are counted, so a silent
+    fallback to a 16-bit product shows. ``jxs.autocast(..., float8=...)`` emits
+    every site in that form; a float8 dot written by hand may not be.
+
+    Args:
+      fun: the function.
+      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A :class:`Float8GemmReport` (``print`` it; ``.ok`` for a check).
+
+    Examples:
+      >>> import jaxscale as jxs, jax, jax.numpy as jnp
+      >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16,
+      ...                  float8=jxs.float8.CurrentScaling(min_dim=0))
+      >>> w, x = jnp.ones((32, 16)), jnp.ones((8, 32))
+      >>> r = jxs.float8.gemm_report(jax.value_and_grad(f, (0, 1)), w, x)
+      >>> r.float8_dots, r.rewritable  # the forward and both backward products
+      (3, 3)
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+    jitted = fun if hasattr(fun, "lower") else jax.jit(fun)
+    lowered = jitted.lower(*args, **kwargs)
+    platform = jax.default_backend()
+    compiled = lowered.compile().as_text() if platform == "gpu" else None
+    return summarize(lowered.as_text(), compiled, platform)
+
+
+def summarize(lowered: str, compiled: str | None, platform: str) -> Float8GemmReport:
+    """The report from the text of a lowered program and (on a GPU) of its
+    compiled form."""
+    found, problems = 0, []
+    for line in lowered.splitlines():
+        is_f8, why = _check(line)
+        found += is_f8
+        if why is not None:
+            problems.append(why)
+    gemms = compiled.count(_CUBLAS_F8) if compiled is not None else None
+    return Float8GemmReport(
+        platform, found, found - len(problems), gemms, tuple(problems)
+    )
