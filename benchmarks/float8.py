@@ -247,8 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", nargs="+", choices=["sweep", "models"], default=["sweep", "models"]
     )
+    parser.add_argument(
+        "--models", nargs="+", choices=["realistic", "wide"], help="default: all"
+    )
+    parser.add_argument("--rounds", type=int, help="timed rounds of each part")
+    parser.add_argument("--steps-per-round", type=int, help="steps per round")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "full"
+    if args.models:
+        for name in list(MODELS[mode]):
+            if name not in args.models:
+                del MODELS[mode][name]
+    for part, (r, n) in ROUNDS[mode].items():
+        ROUNDS[mode][part] = (args.rounds or r, args.steps_per_round or n)
     if mode == "full" and jax.default_backend() != "gpu":
         print(
             "No GPU: run `python benchmarks/float8.py --tiny` to check the script "

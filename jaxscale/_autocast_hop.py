@@ -349,12 +349,13 @@ def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) ->
     if not _has(p, *keys) or shard_map is None:
         return None
 
-    threads = _threads_state(it)
+    delayed = it.float8 is not None and it.float8.delayed
 
     def body(*xs: Any) -> tuple[Any, ...]:
         # Delayed float8 state cannot enter a shard_map as a closure: its
-        # matmuls run in 16 bits then (current scaling works per shard).
-        with suspended(it.float8 if threads else None):
+        # matmuls run in 16 bits then, when recording sites too (current
+        # scaling works per shard).
+        with suspended(it.float8 if delayed else None):
             return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
 
     fn = shard_map(

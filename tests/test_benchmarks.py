@@ -41,3 +41,33 @@ def test_masked_attention_benchmark(tmp_path):
     for _, nan16, dev16, nanbf, devbf in rows:
         assert float(nan16) == float(nanbf) == 0.0, out  # no NaN anywhere
         assert float(dev16) < 0.01 and float(devbf) < 0.05, out
+
+
+def test_float8_benchmark_tiny(tmp_path):
+    # benchmarks/float8.py --tiny: the size sweep and the train step, each of
+    # bfloat16, float8 current and float8 delayed; every float8 program has its
+    # float8 dots in the form XLA:GPU's GEMM rewriter takes (three per site).
+    proc = run_script(BENCHMARKS / "float8.py", "--tiny", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    sweep = re.findall(
+        r"^\| (\d+) \| ([\w ]+?) \| [\d.]+ \|.*\| (\d+) / (\d+) / None \|$", out, re.M
+    )
+    assert [(d, v) for d, v, *_ in sweep] == [
+        (d, v)
+        for d in ("32", "64")
+        for v in ("bfloat16", "float8 current", "float8 delayed")
+    ], out
+    for _, variant, dots, rewritable in sweep:
+        expected = "0" if variant == "bfloat16" else "3"
+        assert (dots, rewritable) == (expected, expected), out
+    models = re.findall(
+        r"^\| realistic \| ([\w ]+?) \| .* \| (\d+) / (\d+) / None \| ([\d.]+) \|$",
+        out,
+        re.M,
+    )
+    assert [m[0] for m in models] == ["bfloat16", "float8 current", "float8 delayed"]
+    # One layer: qkv, proj, two MLP matrices and the tied head are float8 sites.
+    assert [m[1:3] for m in models] == [("0", "0"), ("15", "15"), ("15", "15")], out
+    losses = [float(m[3]) for m in models]
+    assert all(abs(v - losses[0]) < 0.05 for v in losses), losses

@@ -35,10 +35,13 @@ def _documented_names() -> list[str]:
 
 
 def _public_names() -> list[str]:
-    """Every public name of ``jaxscale`` and of its ``diagnostics`` sub-namespace."""
-    return [f"jaxscale.{n}" for n in jxs.__all__] + [
-        f"jaxscale.diagnostics.{n}" for n in jxs.diagnostics.__all__
-    ]
+    """Every public name of ``jaxscale`` and of its ``diagnostics`` and ``float8``
+    sub-namespaces."""
+    return (
+        [f"jaxscale.{n}" for n in jxs.__all__]
+        + [f"jaxscale.diagnostics.{n}" for n in jxs.diagnostics.__all__]
+        + [f"jaxscale.float8.{n}" for n in jxs.float8.__all__]
+    )
 
 
 def _resolve(qualified: str):
@@ -70,7 +73,9 @@ def _readme_commands() -> dict[str, str]:
     return commands
 
 
-@pytest.mark.parametrize("module", [jxs, jxs.diagnostics], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [jxs, jxs.diagnostics, jxs.float8], ids=lambda m: m.__name__
+)
 def test_all_is_sorted(module):
     assert module.__all__ == sorted(module.__all__)
     assert len(set(module.__all__)) == len(module.__all__)
