@@ -10,6 +10,7 @@ program holds only the casts, as if they were written by hand.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import REGION_PREFIX, Interpreter
+from jaxscale._autocast_interp import REGION_PREFIX, AutocastWarning, Interpreter
 from jaxscale._autocast_rules import AutocastRule, resolve_rules
 from jaxscale._autocast_values import cast, dtype_of, input_info, is_castable
 from jaxscale._float8 import DelayedScaling, check_recipe
@@ -260,9 +261,26 @@ def autocast(
                 return fun(*args, **kwargs)
         ctx = _float8_context(recipe)
         it = Interpreter(dt, table, HANDLERS, float8=ctx)
-        return interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
+        out = interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
+        if ctx is not None and not ctx.delayed and not ctx.seen and ctx.declined:
+            _warn_no_site(ctx)
+        return out
 
     return wrapper
+
+
+def _warn_no_site(ctx: Context) -> None:
+    m, k, n = max(ctx.declined, key=min)
+    warnings.warn(
+        "jxs.autocast(float8=...): nothing runs in float8: all "
+        f"{len(ctx.declined)} matmul(s) without batch dimensions have a size below "
+        f"the recipe's `min_dim` ({ctx.recipe.min_dim}; the largest is M={m}, "
+        f"K={k}, N={n}), so they run in 16 bits. Below that size float8 is slower "
+        "on a GPU (docs/float8.md); pass "
+        "`float8=jxs.float8.CurrentScaling(min_dim=0)` to use it anyway.",
+        AutocastWarning,
+        stacklevel=3,
+    )
 
 
 def names_dot(rules: Mapping[Any, Any]) -> bool:

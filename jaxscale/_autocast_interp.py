@@ -51,7 +51,7 @@ from jaxscale._autocast_values import (
     size_of,
     widest,
 )
-from jaxscale._float8_site import Context, eligible, float8_dot, signature
+from jaxscale._float8_site import Context, eligible, float8_dot, signature, sizes
 from jaxscale._jax_private import bind, eqn_context, trace
 
 __all__ = [
@@ -406,6 +406,11 @@ class Float8(RuleClass):
 
     def emit(self, it, eqn, params, vals):
         if not self.is_site(it, eqn, vals):
+            ctx = it.float8
+            if ctx is not None and not ctx.suspended and len(vals) == 2:
+                mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
+                if mkn is not None:  # too small: 16 bits (a warning if all are)
+                    ctx.declined.append(mkn)
             return bind(eqn.primitive, params, vals)
         ctx = it.float8
         where = str(eqn.source_info.name_stack)

@@ -98,6 +98,8 @@ class Context:
         self.signatures = tuple(signatures) if signatures is not None else None
         self.recording = recording
         self.seen: list[str] = []
+        # (M, K, N) of dot_generals left in 16 bits for being below min_dim.
+        self.declined: list[tuple[int, int, int]] = []
         self.suspended = 0
 
     @property
@@ -186,16 +188,22 @@ def suspended(ctx: Context | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- #
 
 
-def eligible(params: Any, lhs_shape: tuple, rhs_shape: tuple, min_dim: int) -> bool:
-    """A ``dot_general`` that runs in float8: no batch dimensions, and the
-    contracting size and both free sizes at least ``min_dim``."""
+def sizes(params: Any, lhs_shape: tuple, rhs_shape: tuple) -> tuple[int, ...] | None:
+    """``(M, K, N)`` of a ``dot_general`` without batch dimensions, else None."""
     (cx, cw), (bx, bw) = params["dimension_numbers"]
     if bx or bw or not cx:
-        return False
+        return None
     k = math.prod(lhs_shape[d] for d in cx)
     m = math.prod(s for d, s in enumerate(lhs_shape) if d not in cx)
     n = math.prod(s for d, s in enumerate(rhs_shape) if d not in cw)
-    return min(m, k, n) >= max(min_dim, 1)
+    return m, k, n
+
+
+def eligible(params: Any, lhs_shape: tuple, rhs_shape: tuple, min_dim: int) -> bool:
+    """A ``dot_general`` that runs in float8: no batch dimensions, and the
+    contracting size and both free sizes at least ``min_dim``."""
+    mkn = sizes(params, lhs_shape, rhs_shape)
+    return mkn is not None and min(mkn) >= max(min_dim, 1)
 
 
 def signature(params: Any, lhs_shape: tuple, where: str) -> str:
@@ -325,17 +333,3 @@ def _bmax_bwd(n, _, ct):
 
 
 broadcast_max.defvjp(_bmax_fwd, _bmax_bwd)
-
-
-def quantised_operands(
-    x: jax.Array, w: jax.Array, dimension_numbers: Any, recipe: Recipe
-) -> tuple[jax.Array, jax.Array]:
-    """The matrices a site multiplies, dequantised (for the report)."""
-    (cx, cw), _ = dimension_numbers
-    x2 = _matrix(x, cx, contract_last=True)
-    w2 = _matrix(w, cw, contract_last=False)
-    out = []
-    for t in (x2, w2):
-        s = scale_from_amax(amax(t), recipe.fwd_dtype, recipe.margin)
-        out.append(quantize(t, s, recipe.fwd_dtype).astype(_F32) * s)
-    return out[0], out[1]
