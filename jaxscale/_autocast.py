@@ -223,6 +223,12 @@ def autocast(
     dt = check_dtype(dtype)
     table = resolve_rules(rules)
     recipe = check_recipe(float8)
+    if recipe is not None and dt == _F32:
+        raise ValueError(
+            "`float8` needs a 16-bit compute `dtype` (bfloat16 or float16): the "
+            "float8 products return it and everything else runs in it; float32 "
+            f"switches autocast off. Got dtype {dtype!r} with float8={float8!r}."
+        )
     if recipe is not None and not (rules and names_dot(rules)):
         table["dot_general"] = AutocastRule.FLOAT8
     if recipe is None and AutocastRule.FLOAT8 in table.values():

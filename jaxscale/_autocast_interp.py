@@ -36,7 +36,6 @@ from jax.extend import core as jcore
 
 from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
 from jaxscale._autocast_values import (
-    SELECTIONS,
     Info,
     bias_kind,
     cast,
@@ -44,15 +43,16 @@ from jaxscale._autocast_values import (
     const_misfit,
     dtype_of,
     floating,
+    follow_operands,
     input_info,
     is_castable,
+    promote,
     provenance,
-    saturate,
+    retype_combiner,
     size_of,
-    widest,
 )
 from jaxscale._float8_site import Context, eligible, float8_dot, signature, sizes
-from jaxscale._jax_private import bind, eqn_context, trace
+from jaxscale._jax_private import bind, eqn_context
 
 __all__ = [
     "AutocastWarning",
@@ -152,9 +152,7 @@ class RuleClass:
     ) -> Mapping[str, Any]:
         """The equation's parameters for operands ``vals``: a
         ``preferred_element_type`` that was the operands' dtype follows them."""
-        return _retype_combiner(
-            _follow_operands(eqn.params, vals, traced), vals, traced
-        )
+        return retype_combiner(follow_operands(eqn.params, vals, traced), vals, traced)
 
     def emit(
         self, it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list[Any]
@@ -167,79 +165,6 @@ class RuleClass:
     ) -> list[Info]:
         """The provenance of the outputs (see :func:`provenance`)."""
         return provenance(eqn, infos, outs)
-
-
-def _follow_operands(
-    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
-) -> Mapping[str, Any]:
-    pref = params.get("preferred_element_type")
-    if pref is not None:
-        floats = [t for t in traced if floating(t)]
-        if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
-            new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
-            params = dict(params, preferred_element_type=new[0])
-    return params
-
-
-def _retype_combiner(
-    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
-) -> Mapping[str, Any]:
-    """scatter-add & co. carry their combiner typed at the traced dtype."""
-    update = params.get("update_jaxpr")
-    if update is None or dtype_of(vals[0]) == traced[0]:
-        return params
-    aval = jax.core.ShapedArray((), dtype_of(vals[0]))
-    consts = params.get("update_consts", ())
-
-    def combiner(a: Any, b: Any) -> list[Any]:
-        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(update, consts))(a, b)
-
-    new_update = trace(combiner, [aval, aval])
-    return dict(
-        params, update_jaxpr=new_update.jaxpr, update_consts=tuple(new_update.consts)
-    )
-
-
-def promote(
-    it: Interpreter,
-    eqn: Any,
-    vals: list[Any],
-    infos: list[Info],
-    traced: list[np.dtype],
-) -> list[Any]:
-    """Operands that were traced with one floating dtype (so the primitive needs
-    them equal) and now differ go to the widest; scalars decide only if all are
-    scalars (torch's rule for zero-dimensional tensors). A constant that would
-    not survive the narrowing (see :func:`const_fit`) widens the operation
-    instead, or, in a selection, saturates to the narrow dtype's range."""
-    groups: dict[np.dtype, list[int]] = {}
-    for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
-        if floating(dtype_of(v)) and floating(t):
-            groups.setdefault(np.dtype(t), []).append(i)
-    out = list(vals)
-    for idx in groups.values():
-        if len({dtype_of(vals[i]) for i in idx}) < 2:
-            continue
-        deciding = [i for i in idx if infos[i].src_rank > 0] or idx
-        target = widest([dtype_of(vals[i]) for i in deciding])
-        saturated: dict[int, Any] = {}
-        for i in idx:
-            misfit = const_misfit(vals[i], infos[i], target)
-            if misfit is None:
-                continue
-            why, text = misfit
-            if eqn.primitive.name in SELECTIONS and why == "inf":
-                it.note(f"constant {text}: saturated to the finite range")
-                src = dtype_of(vals[i])
-                saturated[i] = saturate(infos[i].const, src, target)
-            else:
-                it.note(f"constant {text}: runs in float32")
-                target = widest([dtype_of(vals[j]) for j in idx])
-                saturated = {}
-                break
-        for i in idx:
-            out[i] = saturated[i] if i in saturated else it.cast(vals[i], target)
-    return out
 
 
 class Promote(RuleClass):
@@ -371,7 +296,7 @@ class Traced(RuleClass):
         ], None
 
     def adjust_params(self, it, eqn, vals, traced):
-        return _retype_combiner(eqn.params, vals, traced)
+        return retype_combiner(eqn.params, vals, traced)
 
 
 class Float8(RuleClass):

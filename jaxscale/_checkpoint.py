@@ -17,13 +17,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxscale._float8_api import Float8State
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxscale._state import DynamicScalingState, LeafFlags, no_flags_named
 from jaxscale._tree import ROOT_NAME, leaf_names
 
 __all__ = ["register_flax_serialization", "upgrade_checkpoint"]
 
-_CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale, LeafFlags)
+_CLASSES = (DynamicLossScale, StaticLossScale, NoOpLossScale, LeafFlags, Float8State)
 
 
 def _data_fields(cls: type) -> tuple[str, ...]:
@@ -86,7 +87,9 @@ def register_flax_serialization() -> None:
     What is saved: the array fields only, by name (``loss_scale``,
     ``growth_tracker``, ``hysteresis_tracker`` for :class:`DynamicLossScale`;
     ``loss_scale`` for :class:`StaticLossScale`; nothing for
-    :class:`NoOpLossScale`). The static configuration (``growth_interval``,
+    :class:`NoOpLossScale`; ``history`` and ``scale`` of a
+    :class:`jaxscale.float8.Float8State`, one entry per site, the site count
+    checked against the target's). The static configuration (``growth_interval``,
     ``hysteresis``, bounds...) is code, not state: ``from_state_dict`` and
     ``from_bytes`` take it from the *target* (e.g. ``tx.init(params)``), exactly
     as orbax does with an abstract target. A state dict with a missing or an

@@ -75,8 +75,11 @@ def _min_dim(value: Any) -> int:
 def _margin(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.number):
         raise TypeError(f"`margin` must be a number, got {type(value).__name__}.")
-    if not np.isfinite(value):
-        raise ValueError(f"`margin` must be finite, got {value}.")
+    if not np.isfinite(value) or abs(value) > 64:
+        raise ValueError(
+            f"`margin` must be a finite exponent in [-64, 64] (scales are "
+            f"multiplied by 2**margin), got {value}."
+        )
     return float(value)
 
 
@@ -92,6 +95,13 @@ class _RecipeBase:
     def _validated(self) -> dict[str, Any]:
         fwd = _float8_dtype(self.fwd_dtype, "fwd_dtype")
         bwd = _float8_dtype(self.bwd_dtype, "bwd_dtype")
+        if fwd == E5M2:
+            raise ValueError(
+                "`fwd_dtype` must be float8_e4m3fn, got float8_e5m2: the forward "
+                "product would multiply two e5m2 operands, which XLA:GPU never "
+                "turns into a float8 GEMM (and Transformer Engine has no such "
+                "format). float8_e5m2 is for the gradient (`bwd_dtype`)."
+            )
         return dict(
             fwd_dtype=fwd,
             bwd_dtype=bwd,
@@ -139,8 +149,9 @@ class DelayedScaling(_RecipeBase):
     """Float8 with delayed scaling: scales from an amax history (Transformer
     Engine's recipe).
 
-    Each float8 matmul (a *site*) keeps, per operand (activation, weight,
-    gradient), the amaxes of the last ``history_len`` steps and a scale. A
+    Each float8 matmul (a *site*) keeps, per operand (the left operand: the
+    activation of ``x @ w``; the right: the weight; the gradient), the amaxes
+    of the last ``history_len`` steps and a scale. A
     step quantises with the scales the state holds, records its own amaxes,
     and the new scale is ``max(history) / finfo.max * 2**margin`` (Transformer
     Engine's ``amax_compute_algo="max"``). The state is a pytree
@@ -192,11 +203,12 @@ def check_recipe(value: Any) -> Recipe | None:
 
 
 def amax(x: jax.Array) -> jax.Array:
-    """``max(|x|)`` as ``f32[]`` (NaN if ``x`` holds a NaN)."""
-    a = jnp.max(jnp.abs(x))
-    a = a.astype(_F32)
-    # max() may drop a NaN on some backends: make it loud.
-    return jnp.where(jnp.isnan(jnp.sum(x.astype(_F32) * 0)), jnp.nan, a)
+    """``max(|x|)`` as ``f32[]``: inf if ``x`` holds an inf, else NaN if it holds
+    a NaN."""
+    a = jnp.max(jnp.abs(x)).astype(_F32)
+    # max() may drop a NaN on some backends: make it loud (an inf stays inf).
+    nan = jnp.isnan(jnp.sum(x.astype(_F32) * 0)) & ~jnp.isinf(a)
+    return jnp.where(nan, jnp.nan, a)
 
 
 def scale_from_amax(
@@ -241,8 +253,10 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """
     dtype = np.dtype(jnp.dtype(dtype))
     fmax = np.float32(jnp.finfo(dtype).max)
-    y = x.astype(_F32) / scale.astype(_F32)
-    y = lax.select(jnp.isfinite(y), jnp.clip(y, -fmax, fmax), y)
+    x32 = x.astype(_F32)
+    y = x32 / scale.astype(_F32)
+    # Finite inputs saturate even where x / scale overflows float32.
+    y = lax.select(jnp.isfinite(x32), jnp.clip(y, -fmax, fmax), y)
     return y.astype(dtype)
 
 

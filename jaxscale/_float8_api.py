@@ -36,7 +36,8 @@ class Float8State:
 
     A pytree of ``2 * len(sites)`` float32 arrays (checkpoint it with the rest
     of the train state); the recipe and the sites are static. Rows of each
-    site's arrays are the activation, the weight and the gradient.
+    site's arrays are its left operand (the activation of ``x @ w``; the
+    weight of equinox's ``weight @ x``), its right operand and the gradient.
 
     Attributes:
       history: per site, ``f32[3, history_len]``, the newest amax first; zeros
@@ -224,7 +225,7 @@ def value_and_grad(
       >>> loss, grads, state = jxs.float8.value_and_grad(f, state)(w, x)
       >>> float(loss), grads.shape
       (256.0, (8, 8))
-      >>> state.history[0][:, 0]  # amaxes of activation, weight, gradient
+      >>> state.history[0][:, 0]  # amaxes of x, w and the gradient
       Array([2. , 0.5, 1. ], dtype=float32)
     """
     _check_fun(fun)

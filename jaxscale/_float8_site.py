@@ -16,7 +16,8 @@ matrices:
   forward (half the memory of 16-bit residuals).
 
 Delayed scaling's per-site state (:class:`SiteState`: ``f32[3, H]`` amax
-histories and ``f32[3]`` scales, rows activation/weight/gradient) enters the
+histories and ``f32[3]`` scales, rows: the left operand, the right operand, the
+gradient) enters the
 ``custom_vjp`` as an input. Its *cotangent* carries the site's new history, and
 ones in place of the scales as a flag that the site ran (an unused site, or one
 in an untaken ``cond`` branch, gets a zero cotangent and keeps its state);
@@ -63,7 +64,8 @@ _F32 = np.dtype("float32")
 
 
 class SiteState(NamedTuple):
-    """Delayed scaling's state of one site: rows activation, weight, gradient."""
+    """Delayed scaling's state of one site: rows left operand (the activation
+    of ``x @ w``), right operand (its weight), gradient."""
 
     history: jax.Array  # f32[3, H]
     scale: jax.Array  # f32[3]
@@ -256,7 +258,10 @@ def _scales(
         now = scale_from_amax(a, dtypes[r], recipe.margin)
         if state:
             history, scale = state
-            fresh = jnp.max(history[r]) <= 0  # no step recorded yet
+            # No finite step recorded yet (a non-finite first step, as a
+            # float16 run's first overflows, leaves the history empty too).
+            h = history[r]
+            fresh = jnp.max(jnp.where(jnp.isfinite(h), h, 0.0)) <= 0
             now = jnp.where(fresh, now, scale[r])
         scales.append(lax.stop_gradient(now))
         amaxes.append(lax.stop_gradient(a))

@@ -50,10 +50,18 @@ def test_the_core_takes_three_parameters():
     ]
 
 
+# Modules that report on a compiled program and put nothing in one: the float8
+# GEMM check counts cuBLASLt float8 calls only where the program was compiled
+# for a GPU.
+REPORTS_ON_BACKEND = {"_float8_check.py"}
+
+
 def test_no_backend_branches_in_the_package():
     """The update path compiles the same program on every backend."""
     offenders = [
-        p.name for p in PACKAGE.rglob("*.py") if "default_backend" in p.read_text()
+        p.name
+        for p in PACKAGE.rglob("*.py")
+        if "default_backend" in p.read_text() and p.name not in REPORTS_ON_BACKEND
     ]
     assert not offenders, offenders
 
