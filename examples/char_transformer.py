@@ -76,6 +76,18 @@ STDLIB_FILES = (
 )
 
 
+def load_data() -> tuple[tuple[jax.Array, jax.Array, int], str, list[str]]:
+    """``((train tokens, validation tokens, vocabulary size), text, paths)``: the
+    text of :func:`load_text` as character ids, the last 10% held out."""
+    text, files = load_text()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    tokens = np.array([index[c] for c in text], np.int32)
+    split = int(0.9 * len(tokens))
+    data = (jnp.asarray(tokens[:split]), jnp.asarray(tokens[split:]), len(chars))
+    return data, text, files
+
+
 def load_text() -> tuple[str, list[str]]:
     """The concatenated source of :data:`STDLIB_FILES` and the paths read."""
     lib = os.path.dirname(os.path.abspath(os.__file__))
@@ -372,12 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}.")
 
-    text, files = load_text()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    tokens = np.array([index[c] for c in text], np.int32)
-    split = int(0.9 * len(tokens))
-    data = (jnp.asarray(tokens[:split]), jnp.asarray(tokens[split:]), len(chars))
+    data, text, files = load_data()
+    chars = range(data[2])
     print(
         f"jaxscale {jxs.__version__}: {len(text):,} characters of Python source "
         f"from {len(files)} standard-library files, vocabulary {len(chars)}; "

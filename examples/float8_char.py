@@ -68,7 +68,7 @@ from flax import nnx
 import jaxscale as jxs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from char_transformer import GPT, cross_entropy, load_text, make_batches  # noqa: E402
+from char_transformer import GPT, cross_entropy, load_data, make_batches  # noqa: E402
 
 try:  # The progress bar is optional.
     from tqdm import tqdm
@@ -342,12 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    text, files = load_text()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    tokens = np.array([index[c] for c in text], np.int32)
-    split = int(0.9 * len(tokens))
-    data = (jnp.asarray(tokens[:split]), jnp.asarray(tokens[split:]), len(chars))
+    data, text, files = load_data()
+    chars = range(data[2])
     print(
         f"jaxscale {jxs.__version__}: {len(text):,} characters of Python source "
         f"from {len(files)} standard-library files, vocabulary {len(chars)}; "

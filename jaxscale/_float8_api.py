@@ -72,6 +72,22 @@ def _check_state(state: Any, name: str = "state") -> Float8State:
             f"`{name}` must be a `jxs.float8.Float8State` (from `jxs.float8.init`), "
             f"got {type(state).__name__}."
         )
+    n, h = len(state.sites), state.recipe.history_len
+    if len(state.history) != n or len(state.scale) != n:
+        raise ValueError(
+            f"`{name}` has {len(state.history)} histories and {len(state.scale)} "
+            f"scales for {n} sites: it was not made by `jxs.float8.init` (or was "
+            "restored into another structure)."
+        )
+    for i, (hist, scale) in enumerate(zip(state.history, state.scale, strict=True)):
+        if jnp.shape(hist) != (3, h) or jnp.shape(scale) != (3,):
+            raise ValueError(
+                f"`{name}`: site {i} has a history of shape {jnp.shape(hist)} and "
+                f"scales of shape {jnp.shape(scale)}, but the recipe's "
+                f"`history_len` is {h} (expected (3, {h}) and (3,)): was it restored "
+                "from a run with another `history_len`? Make a new state with "
+                "`jxs.float8.init`, or restore with the recipe it was saved with."
+            )
     return state
 
 

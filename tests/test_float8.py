@@ -1023,3 +1023,20 @@ def test_the_state_round_trips_through_flax_serialization(trained):
     target = jxs.float8.init(loss, params, x, t)
     restored = serialization.from_bytes(target, serialization.to_bytes(state))
     _assert_same_state(restored, state)
+
+
+@pytest.mark.unit
+def test_a_state_with_another_history_len_is_refused():
+    # A state restored from a run with another `history_len` (or another
+    # structure) would roll histories of the wrong length: refused, named.
+    import dataclasses
+
+    f = jxs.autocast(
+        matmul, jnp.bfloat16, float8=jxs.float8.DelayedScaling(4, min_dim=0)
+    )
+    state = jxs.float8.init(f, _sds(16, 32), _sds(32, 16))
+    longer = dataclasses.replace(state, history=(jnp.zeros((3, 16)),))
+    with pytest.raises(ValueError, match=r"site 0 .*`history_len` is 4"):
+        jxs.float8.value_and_grad(f, longer)
+    with pytest.raises(ValueError, match=r"1 histories and 0 scales for 1 sites"):
+        jxs.float8.apply(f, dataclasses.replace(state, scale=()))
