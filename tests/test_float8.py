@@ -76,7 +76,16 @@ def _log_uniform(rng, lo, hi, n):
     return (mags * rng.choice([-1.0, 1.0], n)).astype(np.float32)
 
 
+def _converts_in_one_rounding() -> bool:
+    """Whether this XLA converts float32 to float8 with a single rounding:
+    2.8740535 is nearer 2.75 than 3.0 in e4m3fn, but rounds to 2.875 in float16
+    and then (a tie, to even) to 3.0."""
+    x = jnp.asarray(np.float32(2.8740535))
+    return float(jax.jit(lambda v: v.astype(E4M3))(x)) == 2.75
+
+
 @pytest.mark.unit
+@pytest.mark.isa  # float8 conversions compiled per instruction set: AVX2 too
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3e-3, 2.0**-10, 5.0e3])
 def test_quantize_dequantize_is_the_ml_dtypes_round_trip(dtype, scale):
@@ -95,6 +104,11 @@ def test_quantize_dequantize_is_the_ml_dtypes_round_trip(dtype, scale):
     q = quantize(jnp.asarray(x), jnp.float32(s), dtype)
     assert q.dtype == dtype and q.shape == x.shape
     ref = (x / s).astype(dtype)  # numpy divides in float32, ml_dtypes rounds
+    if not _converts_in_one_rounding():
+        # XLA:CPU of jax 0.7.0 (the floor) converts float32 -> float8 through
+        # float16: double rounding, one float8 ulp off near a midpoint. The
+        # quantisation is then exactly that conversion of x / scale.
+        ref = (x / s).astype(np.float16).astype(dtype)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), ref.view(np.uint8))
     back = dequantize(q, jnp.float32(s))
     assert back.dtype == F32
