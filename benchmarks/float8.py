@@ -152,6 +152,18 @@ def compile_all(
     return compiled, secs, reports
 
 
+def _cells(times: dict, reports: dict, name: str) -> tuple[float, str, str]:
+    """A variant's median step (s), its paired ratio to bfloat16 with quartiles,
+    and its float8 dots / rewritable / GEMMs."""
+    r = gpu.paired(times, name, "bfloat16")
+    rep = reports[name]
+    return (
+        statistics.median(times[name]),
+        f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]",
+        f"{rep.float8_dots} / {rep.rewritable} / {rep.float8_gemms}",
+    )
+
+
 def run_sweep(mode: str) -> list[str]:
     m, dims = SWEEP[mode]
     rounds, n = ROUNDS[mode]["sweep"]
@@ -181,13 +193,10 @@ def run_sweep(mode: str) -> list[str]:
         times = time_variants(fns, carry, rounds, n)
         flops = 3 * 2 * m * d * d
         for name in VARIANTS:
-            med = statistics.median(times[name])
-            ratio = gpu.paired(times, name, "bfloat16")
-            rep = reports[name]
+            med, ratio, gemms = _cells(times, reports, name)
             lines.append(
                 f"| {d} | {name} | {med * 1e3:.3f} | {flops / med / 1e12:.1f} | "
-                f"{ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] | "
-                f"{rep.float8_dots} / {rep.rewritable} / {rep.float8_gemms} |"
+                f"{ratio} | {gemms} |"
             )
     return lines
 
@@ -228,14 +237,10 @@ def run_models(mode: str) -> list[str]:
             carry[name], losses[name] = fns[name](carry[name])
         tokens_per_step = size.batch * size.seq
         for name in VARIANTS:
-            med = statistics.median(times[name])
-            ratio = gpu.paired(times, name, "bfloat16")
-            rep = reports[name]
+            med, ratio, gemms = _cells(times, reports, name)
             lines.append(
                 f"| {model} | {name} | {med * 1e3:.3f} | {tokens_per_step / med:,.0f} "
-                f"| {ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] | {secs[name]:.1f} "
-                f"| {rep.float8_dots} / {rep.rewritable} / {rep.float8_gemms} "
-                f"| {float(losses[name]):.4f} |"
+                f"| {ratio} | {secs[name]:.1f} | {gemms} | {float(losses[name]):.4f} |"
             )
         del carry, compiled, fns, steps
     return lines
