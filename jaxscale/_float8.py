@@ -37,7 +37,6 @@ __all__ = [
     "dequantize",
     "quantize",
     "scale_from_amax",
-    "update_history",
 ]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -270,28 +269,3 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = _F32) -> jax.Array:
       Array([0.5, 1. ], dtype=float32)
     """
     return (q.astype(_F32) * scale.astype(_F32)).astype(dtype)
-
-
-def update_history(
-    history: jax.Array, scale: jax.Array, new_amax: jax.Array, dtype: Any, margin: float
-) -> tuple[jax.Array, jax.Array]:
-    """One delayed-scaling update: ``new_amax`` goes to the front of
-    ``history`` (the oldest entry drops off the end) and the new scale is
-    computed from the history's max; ``scale`` is kept where that max is 0 or
-    not finite.
-
-    Args:
-      history: ``f32[H]``.
-      scale: ``f32[]``, the scale used in this step.
-      new_amax: ``f32[]``, this step's amax.
-      dtype: the float8 dtype the scale is for.
-      margin: headroom exponent.
-
-    Returns:
-      ``(history, scale)``, shapes and dtypes as given.
-    """
-    history = jnp.roll(history, 1).at[0].set(new_amax.astype(_F32))
-    # A NaN amax (a NaN tensor) is recorded; it must not poison later scales
-    # forever, so the scale comes from the finite entries only.
-    finite = jnp.where(jnp.isfinite(history), history, 0.0)
-    return history, scale_from_amax(jnp.max(finite), dtype, margin, scale)

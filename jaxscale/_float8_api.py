@@ -133,7 +133,7 @@ def init(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
       ('(top level): dot_general contracting 8',)
     """
     _check_fun(fun)
-    ctx = Context(None, recording=True)
+    ctx = Context(None)  # recording: the first autocast sets the recipe
     with using_state(ctx):
         jax.eval_shape(functools.partial(fun, **kwargs), *args)
     if ctx.recipe is None:

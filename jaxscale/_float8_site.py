@@ -93,12 +93,10 @@ class Context:
         recipe: Recipe | None,
         state: Sequence[SiteState] | None = None,
         signatures: Sequence[str] | None = None,
-        recording: bool = False,
     ):
         self.recipe = recipe
         self.state = list(state) if state is not None else None
         self.signatures = tuple(signatures) if signatures is not None else None
-        self.recording = recording
         self.seen: list[str] = []
         # (M, K, N) of dot_generals left in 16 bits for being below min_dim.
         self.declined: list[tuple[int, int, int]] = []
