@@ -27,11 +27,27 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import REGION_PREFIX, Interpreter, Record
+from jaxscale._autocast_interp import (
+    REGION_PREFIX,
+    Interpreter,
+    Record,
+    is_higher_order,
+)
 from jaxscale._autocast_report_text import typed
-from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
+from jaxscale._autocast_rules import AutocastRule
 from jaxscale._autocast_values import Info, cast, dtype_of, floating, is_castable
-from jaxscale._jax_private import bind, name_stack_text, user_frame
+from jaxscale._jax_private import (
+    call_body,
+    construct_of,
+    custom_jvp_parts,
+    custom_vjp_parts,
+    jit_body,
+    name_stack_text,
+    rebind,
+    remat_parts,
+    user_frame,
+    while_parts,
+)
 
 __all__ = ["INLINE_HANDLERS", "Census", "Compare", "source_of"]
 
@@ -110,7 +126,7 @@ class _Walker(Interpreter):
     def eval_eqn(
         self, eqn: Any, vals: list[Any], infos: list[Info]
     ) -> tuple[list[Any], list[Info]]:
-        hop = eqn.primitive.name in HIGHER_ORDER
+        hop = is_higher_order(eqn)
         if hop:
             self._frames.append(_Frame(eqn, self.flags(eqn.invars)))
         self._calls.append((eqn, vals, infos))
@@ -185,23 +201,37 @@ _CARRIED = {
 def _aligned(frame: _Frame, jaxpr: Any) -> list[bool]:
     """The island flags of ``jaxpr``'s inputs, from the operands of the
     higher-order equation evaluating it."""
-    eqn, flags, p = frame.eqn, frame.flags, frame.eqn.params
+    eqn, flags = frame.eqn, frame.flags
     n, m = len(jaxpr.invars), len(flags)
-    if eqn.primitive.name == "while" and "cond_nconsts" in p:
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        if jaxpr is getattr(p["cond_jaxpr"], "jaxpr", None):
+    loop = while_parts(eqn) if construct_of(eqn.primitive) == "while" else None
+    if loop is not None:
+        cn, bn = loop.cond_nconsts, loop.body_nconsts
+        if jaxpr is loop.cond.jaxpr:
             return flags[:cn] + flags[cn + bn :]
         return flags[cn:]
     if n == m:
         return flags
     if n == m - 1:  # cond: the branch index first
         return flags[1:]
-    nc = p.get("num_consts", 0)
+    nc = _num_consts(eqn)
     if n == m - nc:  # a custom_vjp forward: the primals
         return flags[nc:]
     if n == 2 * (m - nc):  # a JVP rule: primals, then tangents
         return flags[nc:] * 2
     return [False] * n
+
+
+def _num_consts(eqn: Any) -> int:
+    """The consts leading a custom-derivative call's operands (else 0)."""
+    construct = construct_of(eqn.primitive)
+    parts = (
+        custom_jvp_parts(eqn)
+        if construct == "custom_jvp"
+        else custom_vjp_parts(eqn)
+        if construct == "custom_vjp"
+        else None
+    )
+    return parts.num_consts if parts is not None else 0
 
 
 class Census(_Walker):
@@ -361,7 +391,7 @@ class Compare(_Walker):
         self, rec: Record, vals: list[Any], infos: list[Info], path: tuple
     ) -> None:
         key = _key(path, rec.eqn)
-        if key in self.sites or rec.eqn.primitive.name in HIGHER_ORDER:
+        if key in self.sites or is_higher_order(rec.eqn):
             return
         tracer = jax.core.Tracer
         if any(isinstance(v, tracer) for v in (*vals, *rec.operands, *rec.outs)):
@@ -419,7 +449,7 @@ class Compare(_Walker):
         try:
             cls = self.classes[rec.rule]
             outs = cls.emit(self, eqn, cls.adjust_params(self, eqn, low, traced), low)
-            refs = bind(eqn.primitive, eqn.params, exact)
+            refs = rebind(eqn, exact)
         except Exception:  # a diagnostic: no local figure rather than no report
             return None
         pairs = [
@@ -459,18 +489,33 @@ def _inline(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> An
     """A call-like higher-order equation (``jit``, ``checkpoint``, custom
     derivatives) evaluated in place, so its values stay concrete; its forward
     is the same as the handler's."""
-    p = eqn.params
-    sub = p.get("call_jaxpr", p.get("jaxpr"))
-    if isinstance(sub, jcore.ClosedJaxpr) and len(sub.jaxpr.invars) == len(vals):
+    sub = _inline_body(eqn)
+    if sub is not None and len(sub.in_avals) == len(vals):
         return it.eval_closed(sub, vals, infos)
-    if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(vals):
-        return it.eval_jaxpr(sub, (), vals, infos)
-    return HANDLERS[eqn.primitive.name](it, eqn, vals, infos)
+    return HANDLERS[construct_of(eqn.primitive)](it, eqn, vals, infos)
+
+
+def _inline_body(eqn: Any) -> Any:
+    """The body of a call-like equation, run in place of the call."""
+    construct = construct_of(eqn.primitive)
+    if construct == "jit":
+        return jit_body(eqn)
+    if construct == "call":
+        return call_body(eqn)
+    if construct == "remat":
+        parts = remat_parts(eqn)
+        return parts.body if parts is not None else None
+    if construct in ("custom_jvp", "custom_vjp"):
+        parts = (custom_jvp_parts if construct == "custom_jvp" else custom_vjp_parts)(
+            eqn
+        )
+        return parts.call if parts is not None else None
+    return None
 
 
 # The handlers of the comparison: the call-like constructs evaluated in place.
 _CALLS = frozenset({"call", "custom_jvp", "custom_vjp", "jit", "remat"})
 INLINE_HANDLERS = {
-    name: _inline if construct in _CALLS else HANDLERS[name]
-    for name, construct in HIGHER_ORDER.items()
+    construct: _inline if construct in _CALLS else handler
+    for construct, handler in HANDLERS.items()
 }

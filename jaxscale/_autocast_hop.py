@@ -1,14 +1,18 @@
 """Higher-order primitives under :func:`jaxscale.autocast`.
 
-Each handler evaluates the sub-computations of one higher-order primitive with the
-interpreter and binds it again, keeping its semantics:
+Each handler evaluates the sub-computations of one higher-order construct with
+the interpreter and binds it again, keeping its semantics. What a construct's
+parameters mean is asked of :mod:`jaxscale._jax_private` (a scan's
+consts/carry/xs split, a ``custom_vjp``'s rules...), never read here:
 
 - ``jit`` is re-bound with its jaxpr re-traced at the new dtypes (shardings,
-  donation and the name are kept); ``closed_call`` is inlined.
+  donation and the name are kept); a call (``closed_call``, ``eval_jaxpr``) is
+  inlined.
 - ``scan`` and ``while`` go through ``lax.scan`` / ``lax.while_loop``. A loop carry
   keeps the dtype it was traced with, or the incoming value's dtype if that is
   wider: the carry is cast to it on the way in and after every iteration.
-- ``cond`` goes through ``lax.switch``; each output takes the widest dtype any
+- ``cond`` is re-bound with its branches re-traced (every other parameter, such
+  as ``branches_platforms``, kept); each output takes the widest dtype any
   branch gives it.
 - ``checkpoint`` (remat) goes through ``jax.checkpoint`` with the same policy.
 - ``custom_jvp_call`` and ``custom_vjp_call`` are rebuilt as ``jax.custom_jvp`` /
@@ -16,12 +20,19 @@ interpreter and binds it again, keeping its semantics:
   original rules' jaxprs evaluated by the interpreter: the custom derivatives are
   kept, and the backward runs in the dtypes its forward used.
 - ``shard_map`` goes through ``jax.shard_map`` with the same mesh and specs.
+- Any other higher-order primitive, or one whose parameters this JAX version
+  changed, is rewritten without knowing its schema (:func:`generic`): each
+  sub-jaxpr among its parameters is evaluated by the interpreter with its
+  boundary dtypes kept (cast in, cast out), and the primitive is re-bound with
+  every other parameter unchanged.
 
-``HANDLERS`` is derived from :data:`jaxscale._autocast_rules.HIGHER_ORDER`, the
-one list of higher-order primitive names, through the construct each name is.
-A handler returns ``None`` when the equation's parameters are not the ones it
-knows (another jax version); the interpreter then runs the primitive as traced,
-with an :class:`~jaxscale.AutocastWarning`.
+``HANDLERS`` maps each construct of
+:data:`jaxscale._jax_private.HIGHER_ORDER_NAMES` (and ``"generic"``) to its
+handler. A handler returns ``None`` when the equation's parameters are not the
+ones it knows (the interpreter then tries :func:`generic`), and raises
+:class:`~jaxscale._autocast_interp.Unrewritable` with the reason when the
+construct cannot be rewritten at all (it then runs as traced, with an
+:class:`~jaxscale.AutocastWarning` that says why).
 """
 
 from __future__ import annotations
@@ -35,12 +46,12 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast_interp import Interpreter
-from jaxscale._autocast_rules import HIGHER_ORDER
+from jaxscale._autocast_interp import Interpreter, Unrewritable
 from jaxscale._autocast_values import (
     Info,
     cast,
     dtype_of,
+    floating,
     fresh_info,
     is_castable,
     size_of,
@@ -48,20 +59,29 @@ from jaxscale._autocast_values import (
 )
 from jaxscale._float8_site import broadcast_max, suspended
 from jaxscale._jax_private import (
+    HIGHER_ORDER_NAMES,
+    bind,
+    call_body,
+    cond_branches,
     ct_aval,
-    custom_jvp_rule,
-    instantiate_zeros,
+    custom_jvp_parts,
+    custom_vjp_parts,
+    jit_body,
+    opaque_functions,
+    rebind,
+    remat_parts,
+    replace_subjaxprs,
+    scan_parts,
     shard_map,
+    shard_map_parts,
+    subjaxprs,
     trace,
+    while_parts,
 )
 
-__all__ = ["BY_CONSTRUCT", "HANDLERS"]
+__all__ = ["HANDLERS", "generic"]
 
 Result = tuple[list[Any], list[Info]] | None
-
-
-def _has(params: Any, *keys: str) -> bool:
-    return all(k in params for k in keys)
 
 
 def _default_infos(outs: Sequence[Any]) -> list[Info]:
@@ -96,54 +116,50 @@ def _threads_state(it: Interpreter) -> bool:
     return it.float8 is not None and it.float8.threads_state
 
 
+def _delayed(it: Interpreter) -> Any:
+    """The float8 context to suspend where delayed state cannot enter (a
+    sub-jaxpr whose schema has no place for it), else ``None``."""
+    return it.float8 if it.float8 is not None and it.float8.delayed else None
+
+
 def _jit(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    if not _has(eqn.params, "jaxpr"):
+    body = jit_body(eqn)
+    if body is None:
         return None
     if _threads_state(it):  # inlined: its float8 sites read the caller's state
-        return it.eval_closed(eqn.params["jaxpr"], vals, infos)
-    new, out_infos = _retrace(it, eqn.params["jaxpr"], vals, infos)
-    outs = eqn.primitive.bind(*vals, **dict(eqn.params, jaxpr=new))
-    return list(outs), out_infos
+        return it.eval_closed(body, vals, infos)
+    new, out_infos = _retrace(it, body, vals, infos)
+    return rebind(eqn, vals, jaxpr=new), out_infos
 
 
-def _closed_call(
-    it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
-) -> Result:
-    call = eqn.params.get("call_jaxpr")
-    if isinstance(call, jcore.ClosedJaxpr):
-        return it.eval_closed(call, vals, infos)
-    if isinstance(call, jcore.Jaxpr):
-        return it.eval_jaxpr(call, (), vals, infos)
-    return None
+def _call(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    body = call_body(eqn)
+    return None if body is None else it.eval_closed(body, vals, infos)
 
 
 def _remat(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    p = eqn.params
-    if not _has(p, "jaxpr", "prevent_cse", "policy"):
+    parts = remat_parts(eqn)
+    if parts is None:
         return None
-    jaxpr = p["jaxpr"]
-    closed = jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else None
 
     def body(*xs: Any) -> list[Any]:
-        if closed is not None:
-            return it.eval_closed(closed, xs, infos)[0]
-        return it.eval_jaxpr(jaxpr, (), xs, infos)[0]
+        return it.eval_closed(parts.body, xs, infos)[0]
 
-    fn = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
+    fn = jax.checkpoint(body, prevent_cse=parts.prevent_cse, policy=parts.policy)
     outs = fn(*vals)
     return list(outs), _default_infos(outs)
 
 
 def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    p = eqn.params
-    if not _has(p, "jaxpr", "num_consts", "num_carry", "length", "reverse"):
+    parts = scan_parts(eqn)
+    if parts is None:
         return None
-    body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+    body, nc, nk, length = parts.body, parts.num_consts, parts.num_carry, parts.length
     consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
     dts = _carry_dtypes(body.in_avals[nc : nc + nk], init)
     carry_infos = [fresh_info(v) for v in init]
     x_infos = [
-        Info(len(np.shape(x)) - 1, i.param, False, size_of(x) // max(p["length"], 1))
+        Info(len(np.shape(x)) - 1, i.param, False, size_of(x) // max(length, 1))
         for x, i in zip(xs, infos[nc + nk :], strict=True)
     ]
     body_infos = [*infos[:nc], *carry_infos, *x_infos]
@@ -153,7 +169,7 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
     states = ctx.state[first:] if threads else []
     # Delayed float8 state of the sites from here on, one copy per iteration:
     # its transpose is a max over iterations (a site's amax over the loop).
-    per_iter = [broadcast_max(tuple(states), p["length"])] if threads else []
+    per_iter = [broadcast_max(tuple(states), length)] if threads else []
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         if ctx is not None:
@@ -172,33 +188,33 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
         step,
         [cast(v, d) for v, d in zip(init, dts, strict=True)],
         [*xs, *per_iter],
-        length=p["length"],
-        reverse=p["reverse"],
-        unroll=p.get("unroll", 1),
+        length=length,
+        reverse=parts.reverse,
+        unroll=parts.unroll,
     )
     outs = [*carry, *ys]
     return outs, _default_infos(outs)
 
 
 def _while(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    p = eqn.params
-    if not _has(p, "cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"):
+    parts = while_parts(eqn)
+    if parts is None:
         return None
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cn, bn = parts.cond_nconsts, parts.body_nconsts
     cconsts, bconsts, init = vals[:cn], vals[cn : cn + bn], vals[cn + bn :]
     cinfos, binfos = infos[:cn], infos[cn : cn + bn]
-    dts = _carry_dtypes(p["body_jaxpr"].in_avals[bn:], init)
+    dts = _carry_dtypes(parts.body.in_avals[bn:], init)
     carry_infos = [fresh_info(v) for v in init]
 
     def cond(carry: list[Any]) -> Any:
         outs, _ = it.eval_closed(
-            p["cond_jaxpr"], [*cconsts, *carry], [*cinfos, *carry_infos]
+            parts.cond, [*cconsts, *carry], [*cinfos, *carry_infos]
         )
         return outs[0]
 
     def body(carry: list[Any]) -> list[Any]:
         outs, _ = it.eval_closed(
-            p["body_jaxpr"], [*bconsts, *carry], [*binfos, *carry_infos]
+            parts.body, [*bconsts, *carry], [*binfos, *carry_infos]
         )
         return [cast(o, d) for o, d in zip(outs, dts, strict=True)]
 
@@ -208,24 +224,30 @@ def _while(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Res
     return list(outs), _default_infos(outs)
 
 
+def _cast_outs(closed: Any, dts: Sequence[Any]) -> Callable[..., list[Any]]:
+    def branch(*xs: Any) -> list[Any]:
+        outs = jcore.jaxpr_as_fun(closed)(*xs)
+        return [cast(o, d) for o, d in zip(outs, dts, strict=True)]
+
+    return branch
+
+
 def _cond(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    if not _has(eqn.params, "branches"):
+    old = cond_branches(eqn)
+    if old is None:
         return None
     index, ops = vals[0], vals[1:]
-    branches = [_retrace(it, b, ops, infos[1:])[0] for b in eqn.params["branches"]]
+    branches = [_retrace(it, b, ops, infos[1:])[0] for b in old]
     dts = []
     for avals in zip(*(b.out_avals for b in branches), strict=True):
         ds = [a.dtype for a in avals]
         dts.append(widest(ds) if all(map(is_castable, ds)) else ds[0])
-
-    def run(closed: Any) -> Callable[..., list[Any]]:
-        def branch(*xs: Any) -> list[Any]:
-            outs = jcore.jaxpr_as_fun(closed)(*xs)
-            return [cast(o, d) for o, d in zip(outs, dts, strict=True)]
-
-        return branch
-
-    outs = lax.switch(index, [run(b) for b in branches], *ops)
+    avals = [jax.typeof(v) for v in ops]
+    new = [trace(_cast_outs(b, dts), avals) for b in branches]
+    if not any(b.consts for b in new):  # re-bound: every other parameter kept
+        outs = rebind(eqn, vals, branches=tuple(new))
+    else:  # closes over values (delayed float8 state): a cond of its own
+        outs = lax.switch(index, [jcore.jaxpr_as_fun(b) for b in new], *ops)
     return list(outs), _default_infos(outs)
 
 
@@ -245,14 +267,19 @@ def _tangent_zeros(primal: Any) -> Any:
     return np.zeros(np.shape(primal), jax.dtypes.float0)
 
 
+def _like_tangent(t: Any, primal: Any) -> Any:
+    if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
+        return cast(t, dtype_of(primal))
+    return t
+
+
 def _custom_jvp(
     it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
 ) -> Result:
-    p = eqn.params
-    jvp_fun = custom_jvp_rule(p)
-    if jvp_fun is None or not _has(p, "call_jaxpr", "num_consts"):
+    parts = custom_jvp_parts(eqn)
+    if parts is None:
         return None
-    call, nc = p["call_jaxpr"], p["num_consts"]
+    call, nc = parts.call, parts.num_consts
     consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
 
     def impl(*xs: Any) -> list[Any]:
@@ -260,9 +287,9 @@ def _custom_jvp(
             return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        jaxpr, jconsts, out_zeros = jvp_fun.call_wrapped(*[False] * len(xs))
+        rule, out_zeros = parts.rule(len(xs))
         with suspended(it.float8):
-            outs, _ = it.eval_jaxpr(jaxpr, jconsts, [*xs, *ts], [*pinfos, *pinfos])
+            outs, _ = it.eval_closed(rule, [*xs, *ts], [*pinfos, *pinfos])
         n = len(out_zeros)
         ref = jax.eval_shape(impl, *xs)  # the primal function's output dtypes
         out_p = [cast(o, r.dtype) for o, r in zip(outs[:n], ref, strict=True)]
@@ -279,21 +306,13 @@ def _custom_jvp(
     return list(outs), _default_infos(outs)
 
 
-def _like_tangent(t: Any, primal: Any) -> Any:
-    if jax.numpy.issubdtype(dtype_of(primal), jax.numpy.inexact):
-        return cast(t, dtype_of(primal))
-    return t
-
-
 def _custom_vjp(
     it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]
 ) -> Result:
-    p = eqn.params
-    keys = ("call_jaxpr", "num_consts", "fwd_jaxpr_thunk", "bwd", "out_trees")
-    if not _has(p, *keys):
+    parts = custom_vjp_parts(eqn)
+    if parts is None:
         return None
-    call, nc = p["call_jaxpr"], p["num_consts"]
-    fwd_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
+    call, nc = parts.call, parts.num_consts
     consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
     in_dtypes = [dtype_of(x) for x in primals]
     box: dict[str, Any] = {}
@@ -303,13 +322,13 @@ def _custom_vjp(
             return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
-        jaxpr, fconsts = fwd_thunk.call_wrapped(*[True] * len(xs))
+        rule = parts.forward(len(xs))
         with suspended(it.float8):
-            outs, _ = it.eval_jaxpr(jaxpr, fconsts, xs, pinfos)
-        out_tree, _, forwards = out_trees()
-        n_res = len(outs) - out_tree.num_leaves
+            outs, _ = it.eval_closed(rule, xs, pinfos)
+        n_out, forwards = parts.residuals()
+        n_res = len(outs) - n_out
         inputs, own = [*consts, *xs], iter(outs[:n_res])
-        res_avals, own_avals = [], iter(a for a in _out_avals(jaxpr)[:n_res])
+        res_avals, own_avals = [], iter(rule.out_avals[:n_res])
         res = []
         for f in forwards:
             res.append(inputs[f] if f is not None else next(own))
@@ -321,11 +340,9 @@ def _custom_vjp(
 
     def bwd_rule(res: list[Any], cts: list[Any]) -> tuple[Any, ...]:
         ct_avals = [ct_aval(a) for a in call.out_avals]
-
-        def run_bwd(*args: Any) -> list[Any]:
-            return [instantiate_zeros(c) for c in bwd.call_wrapped(*args)]
-
-        closed = trace(run_bwd, [*box["res_avals"], *ct_avals])
+        closed = trace(
+            lambda *args: parts.backward(args), [*box["res_avals"], *ct_avals]
+        )
         with suspended(it.float8):
             outs, _ = it.eval_closed(closed, [*res, *cts])
         return tuple(
@@ -339,52 +356,95 @@ def _custom_vjp(
     return list(outs), _default_infos(outs)
 
 
-def _out_avals(jaxpr: Any) -> list[Any]:
-    return [v.aval for v in jaxpr.outvars]
-
-
 def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
-    p = eqn.params
-    keys = ("jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes")
-    if not _has(p, *keys) or shard_map is None:
+    parts = shard_map_parts(eqn)
+    if parts is None or shard_map is None:
         return None
-
-    delayed = it.float8 is not None and it.float8.delayed
 
     def body(*xs: Any) -> tuple[Any, ...]:
         # Delayed float8 state cannot enter a shard_map as a closure: its
         # matmuls run in 16 bits then, when recording sites too (current
         # scaling works per shard).
-        with suspended(it.float8 if delayed else None):
-            return tuple(it.eval_jaxpr(p["jaxpr"], (), xs, infos)[0])
+        with suspended(_delayed(it)):
+            return tuple(it.eval_closed(parts.body, xs, infos)[0])
 
     fn = shard_map(
         body,
-        mesh=p["mesh"],
-        in_specs=tuple(p["in_specs"]),
-        out_specs=tuple(p["out_specs"]),
-        axis_names=p["newly_manual_axes"],
-        check_vma=p["check_vma"],
+        mesh=parts.mesh,
+        in_specs=parts.in_specs,
+        out_specs=parts.out_specs,
+        axis_names=parts.axes,
+        check_vma=parts.check_vma,
     )
     outs = fn(*vals)
     return list(outs), _default_infos(outs)
 
 
-# The handler of each construct of ``HIGHER_ORDER`` (a test pins that they
-# match); a name missing here fails at import.
-BY_CONSTRUCT: dict[str, Callable[..., Result]] = {
-    "call": _closed_call,
-    "cond": _cond,
-    "custom_jvp": _custom_jvp,
-    "custom_vjp": _custom_vjp,
-    "jit": _jit,
-    "remat": _remat,
-    "scan": _scan,
-    "shard_map": _shard_map,
-    "while": _while,
-}
+def generic(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
+    """Any higher-order equation, without knowing its parameters: each sub-jaxpr
+    is evaluated by the interpreter with its boundary dtypes kept (its inputs
+    cast to the types it was traced with, its outputs cast back), and the
+    primitive is re-bound with every other parameter unchanged.
 
-# Higher-order primitive name -> handler, for every name of ``HIGHER_ORDER``.
+    Raises:
+      Unrewritable: the equation stages functions autocast cannot see, has no
+        sub-jaxpr, or a rewritten sub-jaxpr closes over values its schema has no
+        place for.
+    """
+    opaque = opaque_functions(eqn)
+    if opaque:
+        raise Unrewritable(
+            f"its parameters {', '.join(map(repr, opaque))} are functions staged "
+            "out of autocast's sight, as jax's `jax_scan3`/`jax_custom_vjp3` "
+            "flags stage them"
+        )
+    subs = subjaxprs(eqn)
+    if not subs:
+        raise Unrewritable("it holds no sub-jaxpr to rewrite")
+    new = {}
+    for key, index, closed in subs:
+
+        def fn(*xs: Any, closed: Any = closed) -> list[Any]:
+            with suspended(_delayed(it)):
+                outs, _ = it.eval_closed(closed, xs)
+            return [
+                cast(o, a.dtype) if is_castable(dtype_of(o)) else o
+                for o, a in zip(outs, closed.out_avals, strict=True)
+            ]
+
+        new[(key, index)] = trace(fn, closed.in_avals)
+    params = replace_subjaxprs(eqn, new)
+    if params is None:
+        raise Unrewritable(
+            "its rewritten sub-computations close over values its parameters "
+            "have no place for"
+        )
+    traced = [v.aval.dtype for v in eqn.invars]
+    used = [
+        cast(v, t) if floating(dtype_of(v)) and floating(t) else v
+        for v, t in zip(vals, traced, strict=True)
+    ]
+    outs = bind(eqn.primitive, params, used)
+    return outs, _default_infos(outs)
+
+
+# The handler of each construct of ``HIGHER_ORDER_NAMES`` (a test pins that
+# they match), and the schema-free rewrite for any other.
 HANDLERS: Mapping[str, Callable[..., Result]] = MappingProxyType(
-    {name: BY_CONSTRUCT[construct] for name, construct in HIGHER_ORDER.items()}
+    {
+        "call": _call,
+        "cond": _cond,
+        "custom_jvp": _custom_jvp,
+        "custom_vjp": _custom_vjp,
+        "generic": generic,
+        "jit": _jit,
+        "remat": _remat,
+        "scan": _scan,
+        "shard_map": _shard_map,
+        "while": _while,
+    }
 )
+missing = set(HIGHER_ORDER_NAMES.values()) - set(HANDLERS)
+if missing:  # pragma: no cover: a construct without a handler fails at import
+    raise ImportError(f"no autocast handler for {sorted(missing)}")
+del missing

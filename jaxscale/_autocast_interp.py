@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule
+from jaxscale._autocast_rules import AutocastRule
 from jaxscale._autocast_values import (
     Info,
     bias_kind,
@@ -52,7 +52,16 @@ from jaxscale._autocast_values import (
     size_of,
 )
 from jaxscale._float8_site import Context, eligible, float8_dot, signature, sizes
-from jaxscale._jax_private import bind, eqn_context
+from jaxscale._jax_private import (
+    bind,
+    construct_of,
+    convert_target,
+    dot_dimension_numbers,
+    eqn_context,
+    integer_pow_exponent,
+    opaque_functions,
+    subjaxprs,
+)
 
 __all__ = [
     "AutocastWarning",
@@ -69,6 +78,7 @@ __all__ = [
     "Record",
     "RuleClass",
     "Traced",
+    "Unrewritable",
     "promote",
 ]
 
@@ -94,6 +104,11 @@ class AutocastWarning(UserWarning):
       >>> issubclass(jxs.AutocastWarning, UserWarning)
       True
     """
+
+
+class Unrewritable(Exception):  # noqa: N818 (a reason, not an error)
+    """Raised by a higher-order handler that cannot rewrite its equation, with
+    the reason (the equation then runs as traced, with an AutocastWarning)."""
 
 
 class Record(NamedTuple):
@@ -255,7 +270,7 @@ class Keep(RuleClass):
 
     def refine(self, eqn):
         if eqn.primitive.name == "integer_pow":
-            y = eqn.params["y"]
+            y = integer_pow_exponent(eqn.params)
             if y == 2 or y < 0:  # a square or a reciprocal: float32, as torch's pow
                 return Rule.FLOAT32
         return None
@@ -346,7 +361,7 @@ class Float8(RuleClass):
             f"gradient {recipe.bwd_dtype.name}, "
             f"{'delayed' if site is not None else 'current'} scaling"
         )
-        dims = params["dimension_numbers"]
+        dims = dot_dimension_numbers(params)
         return [float8_dot(vals[0], vals[1], dims, it.dtype, recipe, site)]
 
     def out_infos(self, it, eqn, infos, outs):
@@ -381,14 +396,14 @@ def _in_owned_region(eqn: Any) -> bool:
     return any(str(getattr(s, "name", "")).startswith(REGION_PREFIX) for s in stack)
 
 
-def _has_subcomputations(params: Mapping[str, Any]) -> bool:
-    for value in params.values():
-        for v in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(v, jcore.Jaxpr | jcore.ClosedJaxpr) or hasattr(
-                v, "call_wrapped"
-            ):
-                return True
-    return False
+def is_higher_order(eqn: Any) -> bool:
+    """A higher-order equation: a construct jaxscale knows, or any primitive
+    with sub-jaxprs or staged functions among its parameters."""
+    return (
+        construct_of(eqn.primitive) is not None
+        or bool(subjaxprs(eqn))
+        or bool(opaque_functions(eqn))
+    )
 
 
 class Interpreter:
@@ -396,8 +411,9 @@ class Interpreter:
 
     ``table`` maps primitive names to :class:`~jaxscale.AutocastRule` members,
     ``classes`` the members to their behaviour (:data:`RULE_CLASSES`), and
-    ``handlers`` higher-order primitive names to the functions that evaluate
-    them (:data:`jaxscale._autocast_hop.HANDLERS`).
+    ``handlers`` higher-order constructs (``"scan"``, ``"call"``, ...,
+    ``"generic"`` for any other) to the functions that evaluate them
+    (:data:`jaxscale._autocast_hop.HANDLERS`).
     """
 
     def __init__(
@@ -493,22 +509,16 @@ class Interpreter:
     ) -> tuple[list[Any], list[Info]]:
         name = eqn.primitive.name
         rule = Rule.TRACED if _in_owned_region(eqn) else self.table.get(name)
-        if rule is None and name in HIGHER_ORDER:  # not overridden: recurse
-            handler = self.handlers.get(name)
-            result = handler(self, eqn, vals, infos) if handler else None
+        retry = False  # an unknown first-order primitive: as traced if it refuses
+        if rule is None and is_higher_order(eqn):  # not overridden: recurse
+            result = self.eval_higher_order(eqn, vals, infos)
             if result is not None:
                 return result
-            self.warn(name, "its parameters are not the ones this version expects")
             rule = Rule.TRACED
+        elif rule is None:  # unknown first-order primitive: at its inputs' dtypes
+            rule, retry = Rule.PROMOTE, True
         traced = [v.aval.dtype for v in eqn.invars]
-        retry = False  # an unknown first-order primitive: as traced if it refuses
-        if rule is None:
-            if _has_subcomputations(eqn.params):
-                self.warn(name, "autocast does not know this higher-order primitive")
-                rule = Rule.TRACED
-            else:  # unknown first-order primitive: at its inputs' dtypes
-                rule, retry = Rule.PROMOTE, True
-        if name == "convert_element_type" and traced[0] == eqn.params["new_dtype"]:
+        if name == "convert_element_type" and traced[0] == convert_target(eqn.params):
             return [vals[0]], [infos[0]]  # a weak-type change only: stays a no-op
         rule = self.classes[rule].refine(eqn) or rule
         self._notes = []
@@ -543,6 +553,24 @@ class Interpreter:
                 )
             )
         return outs, out_infos
+
+    def eval_higher_order(
+        self, eqn: Any, vals: list[Any], infos: list[Info]
+    ) -> tuple[list[Any], list[Info]] | None:
+        """``eqn`` by its construct's handler, else by the schema-free rewrite
+        (``handlers["generic"]``); ``None`` (after an AutocastWarning saying
+        why) if it must run as traced."""
+        construct = construct_of(eqn.primitive)
+        handler = self.handlers.get(construct) if construct is not None else None
+        try:
+            result = handler(self, eqn, vals, infos) if handler else None
+            if result is None:
+                result = self.handlers["generic"](self, eqn, vals, infos)
+        except Unrewritable as e:
+            known = "its parameters are not the ones this version expects, and "
+            self.warn(eqn.primitive.name, (known if handler else "") + str(e))
+            return None
+        return result
 
     def warn(self, name: str, why: str) -> None:
         warnings.warn(

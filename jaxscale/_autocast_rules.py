@@ -20,6 +20,8 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from jaxscale._jax_private import HIGHER_ORDER_NAMES
+
 __all__ = [
     "AutocastRule",
     "HIGHER_ORDER",
@@ -139,6 +141,7 @@ _FLOAT32 = (
     "igammac",
     "lgamma",
     "polygamma",
+    "polynomial",  # jnp.polyval from jax 0.12: a power series, as torch's pow
     "random_gamma_grad",
     "regularized_incomplete_beta",
     "zeta",
@@ -296,26 +299,12 @@ _DEFAULT: dict[str, AutocastRule] = {
 }
 
 # Higher-order primitives the interpreter recurses into, each with the construct
-# it is (the key of its handler in ``jaxscale._autocast_hop``, which builds
-# ``HANDLERS`` from this table). The one list of their names, which change across
-# jax versions: "pjit" is the jit primitive's name before jax 0.7; "checkpoint"
-# and "remat2" are jax.checkpoint's; "core_call" is closed_call's older form.
-HIGHER_ORDER: Mapping[str, str] = types.MappingProxyType(
-    {
-        "checkpoint": "remat",
-        "closed_call": "call",
-        "cond": "cond",
-        "core_call": "call",
-        "custom_jvp_call": "custom_jvp",
-        "custom_vjp_call": "custom_vjp",
-        "jit": "jit",
-        "pjit": "jit",
-        "remat2": "remat",
-        "scan": "scan",
-        "shard_map": "shard_map",
-        "while": "while",
-    }
-)
+# it is (the key of its handler in ``jaxscale._autocast_hop.HANDLERS``): every
+# name they have had from jax 0.7 to 0.12 ("pjit" is jit's older name,
+# "checkpoint" and "remat2" are jax.checkpoint's, "core_call" and "eval_jaxpr"
+# closed_call's older and newer ones) and the live primitives' names. Version
+# facts, so they come from the adapter.
+HIGHER_ORDER: Mapping[str, str] = types.MappingProxyType(dict(HIGHER_ORDER_NAMES))
 
 _ACCEPTED = ", ".join(f"'{r.value}'" for r in AutocastRule)
 

@@ -17,7 +17,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._jax_private import bind, trace
+from jaxscale._jax_private import (
+    combiner,
+    preferred_element_type,
+    rebind,
+    trace,
+    with_combiner,
+    with_preferred_element_type,
+)
 
 __all__ = [
     "Const",
@@ -128,7 +135,7 @@ def saturate(const: Const, src: np.dtype, dst: np.dtype) -> Any:
         out: Any = np.where(np.isfinite(v), np.clip(v, lo, hi), v).astype(dst)
     for eqn in const.chain:
         if eqn.primitive.name != "convert_element_type":
-            out = bind(eqn.primitive, eqn.params, [out])[0]
+            out = rebind(eqn, [out])[0]
     return out
 
 
@@ -331,12 +338,12 @@ def provenance(
 def follow_operands(
     params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
 ) -> Mapping[str, Any]:
-    pref = params.get("preferred_element_type")
+    pref = preferred_element_type(params)
     if pref is not None:
         floats = [t for t in traced if floating(t)]
         if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
             new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
-            params = dict(params, preferred_element_type=new[0])
+            params = with_preferred_element_type(params, new[0])
     return params
 
 
@@ -344,19 +351,12 @@ def retype_combiner(
     params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
 ) -> Mapping[str, Any]:
     """scatter-add & co. carry their combiner typed at the traced dtype."""
-    update = params.get("update_jaxpr")
+    update = combiner(params)
     if update is None or dtype_of(vals[0]) == traced[0]:
         return params
     aval = jax.core.ShapedArray((), dtype_of(vals[0]))
-    consts = params.get("update_consts", ())
-
-    def combiner(a: Any, b: Any) -> list[Any]:
-        return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(update, consts))(a, b)
-
-    new_update = trace(combiner, [aval, aval])
-    return dict(
-        params, update_jaxpr=new_update.jaxpr, update_consts=tuple(new_update.consts)
-    )
+    new = trace(lambda a, b: jcore.jaxpr_as_fun(update)(a, b), [aval, aval])
+    return with_combiner(params, new)
 
 
 def promote(

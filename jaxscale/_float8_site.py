@@ -48,6 +48,7 @@ from jaxscale._float8 import (
     quantize,
     scale_from_amax,
 )
+from jaxscale._jax_private import dot_dimension_numbers
 
 __all__ = [
     "Context",
@@ -190,7 +191,7 @@ def suspended(ctx: Context | None) -> Iterator[None]:
 
 def sizes(params: Any, lhs_shape: tuple, rhs_shape: tuple) -> tuple[int, ...] | None:
     """``(M, K, N)`` of a ``dot_general`` without batch dimensions, else None."""
-    (cx, cw), (bx, bw) = params["dimension_numbers"]
+    (cx, cw), (bx, bw) = dot_dimension_numbers(params)
     if bx or bw or not cx:
         return None
     k = math.prod(lhs_shape[d] for d in cx)
@@ -209,7 +210,7 @@ def eligible(params: Any, lhs_shape: tuple, rhs_shape: tuple, min_dim: int) -> b
 def signature(params: Any, lhs_shape: tuple, where: str) -> str:
     """What identifies a site across traces: where it is (the name stack) and its
     contracting size (not the batch, which may change between calls)."""
-    (cx, _), _ = params["dimension_numbers"]
+    (cx, _), _ = dot_dimension_numbers(params)
     k = math.prod(lhs_shape[d] for d in cx)
     return f"{where or '(top level)'}: dot_general contracting {k}"
 

@@ -22,7 +22,7 @@ from jax import lax
 from jax.extend.core import Literal, Var
 
 from jaxscale._distributed import match_varying
-from jaxscale._jax_private import bind, eqn_context
+from jaxscale._jax_private import eqn_context, rebind
 
 __all__ = ["update_or_skip"]
 
@@ -123,7 +123,7 @@ def update_or_skip(
     selected = set()  # the computed state leaves, selected where computed
     for eqn in jaxpr.eqns:
         with eqn_context(eqn):
-            outs = bind(eqn.primitive, eqn.params, [read(v) for v in eqn.invars])
+            outs = rebind(eqn, [read(v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, outs, strict=True):
             i = owner.get(v, -1)
             if i >= 0:

@@ -510,24 +510,65 @@ def test_unknown_primitive_runs_at_its_inputs_dtypes_or_as_told():
         assert ac(lambda x: _double_p.bind(x))(X).dtype == F32  # not narrowed
 
 
-def test_unknown_higher_order_primitive_warns_and_runs_as_traced():
+def test_an_unknown_higher_order_primitive_is_rewritten_without_its_schema():
+    """``custom_linear_solve`` has no handler: each jaxpr among its parameters
+    (a named tuple of them, some None) is interpreted with its boundary dtypes
+    kept, and the primitive re-bound with every other parameter unchanged."""
     a = jnp.eye(8) * 3.0 + 0.1
 
     def f(b):
         rhs = jnp.tanh(b @ W)  # float16 under autocast
         return lax.custom_linear_solve(
-            lambda v: a @ v, rhs[0], lambda mv, r: jnp.linalg.solve(a, r)
+            lambda v: jnp.tanh(a @ v), rhs[0], lambda mv, r: jnp.linalg.solve(a, r)
         )
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jax.jit(jxs.autocast(f))(X)
+        jaxpr = jax.make_jaxpr(jxs.autocast(f))(X)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, f(X), atol=2e-2)
+    (solve,) = [
+        e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_linear_solve"
+    ]
+    assert solve.invars[-1].aval.dtype == F32  # its boundary: as traced
+    inner = [e for e in all_eqns(solve.params["jaxprs"].matvec)]
+    dots = [e for e in inner if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == F16 for e in dots)
+    original = jax.make_jaxpr(f)(X).jaxpr.eqns[-1].params
+    assert solve.params["const_lengths"] == original["const_lengths"]
+    traced = jax.make_jaxpr(jxs.autocast(f, rules={"custom_linear_solve": "traced"}))(X)
+    (kept,) = [
+        e for e in traced.jaxpr.eqns if e.primitive.name == "custom_linear_solve"
+    ]
+    assert all(
+        e.primitive.name != "convert_element_type"
+        for e in all_eqns(kept.params["jaxprs"].matvec)
+    )
+
+
+# A higher-order primitive whose sub-computation is a Python function (as jax's
+# ``jax_scan3``/``jax_custom_vjp3`` flags stage theirs): nothing to rewrite.
+_apply_p = jcore.Primitive("jxs_test_apply")
+_apply_p.def_impl(lambda x, *, fn: fn(x))
+_apply_p.def_abstract_eval(lambda x, *, fn: jax.core.ShapedArray(x.shape, x.dtype))
+mlir.register_lowering(_apply_p, mlir.lower_fun(lambda x, *, fn: fn(x), False))
+
+
+def test_a_primitive_staging_a_function_runs_as_traced_and_says_why():
+    def f(x):
+        return _apply_p.bind(jnp.tanh(x @ W), fn=jnp.sin)
+
     with pytest.warns(
-        jxs.AutocastWarning, match=r"runs `custom_linear_solve` as traced"
+        jxs.AutocastWarning,
+        match=r"runs `jxs_test_apply` as traced \(its parameters 'fn' are functions",
     ):
-        out = jxs.autocast(f)(X)
+        out = jax.jit(jxs.autocast(f))(X)
     assert out.dtype == F32
     np.testing.assert_allclose(out, f(X), atol=2e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jxs.autocast(f, rules={"custom_linear_solve": "traced"})(X)
+        jxs.autocast(f, rules={"jxs_test_apply": "traced"})(X)
 
 
 # --------------------------------------------------------------------------- #

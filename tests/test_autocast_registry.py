@@ -3,6 +3,7 @@ higher-order primitives listed once, and JAX's private API behind one module."""
 
 import ast
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 import jaxscale as jxs
 from jaxscale import _autocast_interp as interp
 from jaxscale._autocast_census import INLINE_HANDLERS
-from jaxscale._autocast_hop import BY_CONSTRUCT, HANDLERS
+from jaxscale._autocast_hop import HANDLERS
 from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule, resolve_rules
 
 pytestmark = pytest.mark.unit
@@ -92,13 +93,11 @@ def test_a_new_rule_class_is_one_object():
 
 
 def test_higher_order_names_are_listed_once():
-    """``HANDLERS`` (and the report's handlers) are derived from ``HIGHER_ORDER``,
-    through the construct each name is; every construct has a handler."""
-    assert set(HANDLERS) == set(HIGHER_ORDER)
-    assert set(INLINE_HANDLERS) == set(HIGHER_ORDER)
-    assert set(BY_CONSTRUCT) == set(HIGHER_ORDER.values())
-    for name, construct in HIGHER_ORDER.items():
-        assert HANDLERS[name] is BY_CONSTRUCT[construct]
+    """Every higher-order name maps to a construct that has a handler (the
+    interpreter and the report's comparison alike), and the schema-free rewrite
+    is there for the rest; none of them is in the first-order table."""
+    assert set(HANDLERS) == {*HIGHER_ORDER.values(), "generic"}
+    assert set(INLINE_HANDLERS) == set(HANDLERS)
     assert not set(HIGHER_ORDER) & set(resolve_rules(None))
 
 
@@ -116,6 +115,39 @@ def test_private_jax_only_in_the_adapter():
         if "jax._src" in p.read_text() and p.name != "_jax_private.py"
     ]
     assert not offenders, offenders
+
+
+# An equation's parameters read by key (``eqn.params[...]``, ``.params.get(``,
+# or a ``params`` mapping subscripted or asked with ``.get``): version facts.
+_PARAM_READ = re.compile(r"\bparams\s*\[|\bparams\.get\(|\.params\.get\(")
+
+
+def test_equation_parameters_are_read_only_in_the_adapter():
+    """Which parameters a primitive has is what changes between JAX versions:
+    only the adapter reads them (the rest asks it for structural facts)."""
+    offenders = {
+        p.relative_to(PACKAGE).as_posix(): [
+            line.strip()
+            for line in p.read_text().splitlines()
+            if _PARAM_READ.search(line)
+            and not line.lstrip().startswith(">>>")
+            and not line.lstrip().startswith("...")
+        ]
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "_jax_private.py"
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_the_parameter_check_catches_each_form():
+    for line in (
+        'eqn.params["y"]',
+        "p = params[k]",
+        'eqn.params.get("x")',
+        'params.get("jaxpr")',
+    ):
+        assert _PARAM_READ.search(line), line
+    assert not _PARAM_READ.search("rebind(eqn, vals, jaxpr=new)")
 
 
 def test_the_adapter_is_the_ground_floor():
@@ -163,7 +195,8 @@ def test_no_function_local_imports_of_jaxscale(path):
 # modules outside the wing that it uses are on the ground floor).
 OUTSIDE = {"_cotangents", "_float8", "_float8_site", "_nnx", "_policy"}
 FLOORS = [
-    {"_jax_private", "_autocast_rules", "_autocast_report_text", *OUTSIDE},
+    {"_jax_private"},
+    {"_autocast_rules", "_autocast_report_text", *OUTSIDE},
     {"_autocast_values"},
     {"_autocast_interp"},
     {"_autocast_hop"},
