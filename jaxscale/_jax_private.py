@@ -235,11 +235,10 @@ HIGHER_ORDER_NAMES: Mapping[str, str] = {
 
 def construct_of(primitive: Any) -> str | None:
     """The construct (``"scan"``, ``"call"``, ...) a higher-order primitive is,
-    by primitive object first, by name second; ``None`` for any other."""
+    by primitive object (a renamed primitive follows, and a user's primitive
+    named like one is not one); ``None`` for any other."""
     hit = _BY_PRIMITIVE.get(id(primitive))
-    if hit is not None and hit[0] is primitive:
-        return hit[1]
-    return HIGHER_ORDER_NAMES.get(primitive.name)
+    return hit[1] if hit is not None and hit[0] is primitive else None
 
 
 def _has(params: Mapping[str, Any], *keys: str) -> bool:
