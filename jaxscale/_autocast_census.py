@@ -31,7 +31,6 @@ from jaxscale._autocast_interp import (
     REGION_PREFIX,
     Interpreter,
     Record,
-    is_higher_order,
 )
 from jaxscale._autocast_report_text import typed
 from jaxscale._autocast_rules import AutocastRule
@@ -126,7 +125,7 @@ class _Walker(Interpreter):
     def eval_eqn(
         self, eqn: Any, vals: list[Any], infos: list[Info]
     ) -> tuple[list[Any], list[Info]]:
-        hop = is_higher_order(eqn)
+        hop = self.recurses_into(eqn)
         if hop:
             self._frames.append(_Frame(eqn, self.flags(eqn.invars)))
         self._calls.append((eqn, vals, infos))
@@ -391,7 +390,7 @@ class Compare(_Walker):
         self, rec: Record, vals: list[Any], infos: list[Info], path: tuple
     ) -> None:
         key = _key(path, rec.eqn)
-        if key in self.sites or is_higher_order(rec.eqn):
+        if key in self.sites or self.recurses_into(rec.eqn):
             return
         tracer = jax.core.Tracer
         if any(isinstance(v, tracer) for v in (*vals, *rec.operands, *rec.outs)):

@@ -554,6 +554,14 @@ class Interpreter:
             )
         return outs, out_infos
 
+    def recurses_into(self, eqn: Any) -> bool:
+        """Whether ``eqn`` is a higher-order equation this interpreter hands to
+        a handler (unless a rule overrides it): a known construct, or a
+        primitive the table does not list that holds sub-computations."""
+        return construct_of(eqn.primitive) is not None or (
+            eqn.primitive.name not in self.table and is_higher_order(eqn)
+        )
+
     def eval_higher_order(
         self, eqn: Any, vals: list[Any], infos: list[Info]
     ) -> tuple[list[Any], list[Info]] | None:

@@ -277,7 +277,9 @@ def underflow_report(
 
     Pass *true* (unscaled) gradients, e.g. from a float32 reference run of the
     same model. Each floating element is multiplied by the scale in float32 and
-    cast to ``dtype`` (the rounding XLA really does), and the report says what
+    classified as a round-to-nearest-even cast to ``dtype`` rounds it (by exact
+    thresholds, which XLA:GPU cannot optimise away as it may a cast there and
+    back), and the report says what
     fraction flushes to zero, becomes subnormal or overflows, how much headroom
     the largest element has, and which power-of-two ``init_scale`` range keeps
     the smallest element normal without overflowing the largest. Parameter

@@ -51,6 +51,7 @@ from jaxscale._float8 import (
 from jaxscale._jax_private import dot_dimension_numbers
 
 __all__ = [
+    "SMALL_DOT",
     "Context",
     "SiteState",
     "broadcast_max",
@@ -58,6 +59,7 @@ __all__ = [
     "decode",
     "eligible",
     "float8_dot",
+    "gemm_form",
     "suspended",
 ]
 
@@ -267,7 +269,29 @@ def _scales(
     return scales, amaxes
 
 
+# XLA:GPU gives a dot whose ``(M + N) * K`` is below its
+# ``xla_gpu_gemm_rewrite_size_threshold`` (100 by default) to neither cuBLASLt nor
+# Triton but to its loop emitter, which widens float8 operands to float16 and
+# multiplies them there: 448 * 448 (two e4m3 operands at the top of their range,
+# as a per-tensor scale puts them) is inf in float16. Dots that small gain nothing
+# from float8, so below five times that threshold their operands are widened to
+# float32 first (exact: every float8 value, and the product of two, is a
+# float32). Larger dots keep the ``dot(f8, f8)`` form that XLA:GPU rewrites to a
+# float8 cuBLASLt GEMM.
+SMALL_DOT = 512
+
+
+def gemm_form(m: int, k: int, n: int) -> str:
+    """``"float8"`` (``dot(f8, f8)``) or ``"float32"`` (operands widened first)
+    for a float8 product of sizes ``m``, ``k``, ``n``."""
+    return "float32" if (m + n) * k < SMALL_DOT else "float8"
+
+
 def _gemm(a: jax.Array, b: jax.Array, contract: tuple, scale: jax.Array, dtype):
+    (ca,), (cb,) = contract
+    k = a.shape[ca]
+    if gemm_form(a.size // k, k, b.size // k) == "float32":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     y = lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
     return (y * scale).astype(dtype)
 

@@ -18,6 +18,15 @@ from jaxscale.testing import assert_bit_identical
 pytestmark = pytest.mark.core
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    """The comparisons here (micro-batches against one large batch, at
+    ``rtol=1e-5``) assume float32 matmuls at full precision: a GPU's default is
+    TF32-like (about 5e-5 apart on an H200)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def init_params(seed=0):
     rng = np.random.default_rng(seed)
     return {

@@ -274,7 +274,9 @@ def test_optax_losses_and_dot_product_attention():
 
 
 def test_shard_map():
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (8,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:8]
+    )
     x = jax.random.normal(jax.random.key(6), (16, 8))
 
     def fn(x, w):

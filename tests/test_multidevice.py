@@ -59,8 +59,16 @@ def assert_bit_identical(a, b):
         np.testing.assert_array_equal(bits(x), bits(y))
 
 
+# CPU devices by name: a GPU host has one device of its default backend, and the
+# CPU backend's 8 (tests/conftest.py) beside it.
+CPUS = jax.devices("cpu")
+
+
 def mesh_of(axis_type, shape=(N,), names=("data",)):
-    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+    devices = CPUS[: int(np.prod(shape))]
+    return jax.make_mesh(
+        shape, names, axis_types=(axis_type,) * len(shape), devices=devices
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -423,7 +431,7 @@ def test_pmap_with_axis_name_all_replicas_skip(mean_grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    step = jax.pmap(step, axis_name="i")
+    step = jax.pmap(step, axis_name="i", devices=CPUS[:N])
     params, state = replicate(params), replicate(tx.init(params))
     params, state = step(params, state, replica_grads(bad=None))
     if mean_grads:  # every replica applied the same mean
@@ -438,7 +446,9 @@ def test_pmap_with_axis_name_all_replicas_skip(mean_grads):
 def test_pmap_without_axis_name_replicas_disagree():
     tx = jxs.dynamic_scaling(optax.sgd(0.1))
     params = jnp.zeros(3)
-    step = jax.pmap(lambda p, s, g: tx.update(g, s, p)[1], axis_name="i")
+    step = jax.pmap(
+        lambda p, s, g: tx.update(g, s, p)[1], axis_name="i", devices=CPUS[:N]
+    )
     state = step(replicate(params), replicate(tx.init(params)), replica_grads())
     assert np.asarray(state.skipped_steps).tolist() == [
         int(i == BAD_DEVICE) for i in range(N)

@@ -107,13 +107,15 @@ def test_flax_train_state_step_has_no_branch():
 def test_the_monitor_is_the_documented_exception():
     # Host hooks are host work: the monitor's callbacks sit in a lax.cond
     # (docs/diagnostics.md, docs/performance.md). A host callback lowers for
-    # the backend at hand only, so this one is lowered for the CPU.
+    # the backend at hand only, so this one is lowered for that backend (the
+    # CPU here, CUDA on a GPU host).
+    here = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     tx = jxs.dynamic_scaling(optax.sgd(0.1))
     watched = jxs.diagnostics.monitor(tx, on_overflow=lambda event: None)
     params = init_params()
     step = make_step(watched)
-    assert cuda_branches(step, params, watched.init(params), X, platform="cpu")
-    assert not cuda_branches(make_step(tx), params, tx.init(params), X, platform="cpu")
+    assert cuda_branches(step, params, watched.init(params), X, platform=here)
+    assert not cuda_branches(make_step(tx), params, tx.init(params), X, platform=here)
 
 
 # --------------------------------------------------------------------------- #

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._composition import scaling_state_of
@@ -27,6 +28,12 @@ def _leaf_bytes(x: np.ndarray) -> np.ndarray:
     return flat.view(np.uint8).reshape(flat.shape + (x.dtype.itemsize,))
 
 
+def _isnan(x: np.ndarray) -> np.ndarray:
+    """Flat NaN flags of a floating or complex array (any float8 or 16-bit type)."""
+    wide = x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+    return np.isnan(wide).reshape(-1)
+
+
 def _fmt(x: np.ndarray, i: int) -> str:
     v = x.reshape(-1)[i].item()
     raw = _leaf_bytes(x)[i][::-1].tobytes().hex()  # little-endian to readable
@@ -34,18 +41,29 @@ def _fmt(x: np.ndarray, i: int) -> str:
 
 
 def assert_bit_identical(
-    expected: Any, actual: Any, *, names: tuple[str, str] = ("expected", "actual")
+    expected: Any,
+    actual: Any,
+    *,
+    names: tuple[str, str] = ("expected", "actual"),
+    nan_bits: bool = False,
 ) -> None:
     """Asserts two pytrees are equal bit for bit, leaf by leaf.
 
     Compares the raw bytes of every leaf, so ``-0.0`` differs from ``0.0`` and
-    two ``NaN`` with different payloads differ, while equal ``NaN`` bits match.
-    Structure, shapes and dtypes must match too.
+    ``inf`` from the largest finite value. A ``NaN`` matches any ``NaN`` (its
+    sign and payload are not compared) unless ``nan_bits=True``: that is what a
+    skipped step keeps. Parameters pass through ``optax.apply_updates``
+    (``p + -0.0``), and arithmetic may canonicalise a NaN's payload (XLA:GPU
+    does; XLA:CPU keeps it); every other value, signed zeros and infinities
+    included, keeps its bits on every backend, and optimizer state is selected,
+    never computed, so it keeps NaN payloads too. Structure, shapes and dtypes
+    must match too.
 
     Args:
       expected: a pytree of arrays.
       actual: a pytree of arrays.
       names: how the two trees are called in the message.
+      nan_bits: compare NaNs bit for bit too (payload and sign).
 
     Raises:
       AssertionError: naming the first differing leaf by path, with the number
@@ -61,6 +79,15 @@ def assert_bit_identical(
       Traceback (most recent call last):
       ...
       AssertionError: leaf 'w' of `actual` differs from `expected` in 2 of 2 ...
+      >>> import numpy as np
+      >>> quiet = np.array([0x7FC00000], np.uint32).view(np.float32)
+      >>> payload = np.array([0x7FFFFFFF], np.uint32).view(np.float32)
+      >>> jxt.assert_bit_identical({"w": quiet}, {"w": payload})  # a NaN is a NaN
+      >>> jxt.assert_bit_identical(
+      ...     {"w": quiet}, {"w": payload}, nan_bits=True)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      AssertionError: leaf 'w' of `actual` differs from `expected` in 1 of 1 ...
     """
     a_name, b_name = names
     sa, sb = jax.tree.structure(expected), jax.tree.structure(actual)
@@ -79,6 +106,8 @@ def assert_bit_identical(
                 f"`{a_name}` has {x.dtype}{list(x.shape)}."
             )
         diff = np.any(_leaf_bytes(x) != _leaf_bytes(y), axis=-1)
+        if not nan_bits and jnp.issubdtype(x.dtype, jnp.inexact):
+            diff &= ~(_isnan(x) & _isnan(y))
         if diff.any():
             i = int(np.flatnonzero(diff)[0])
             index = np.unravel_index(i, x.shape) if x.shape else ()

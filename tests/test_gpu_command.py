@@ -1,0 +1,58 @@
+"""``.ci/gpu``, the one command for a GPU, in its CPU smoke mode: the three parts
+run, each writes its file into one folder, and the summary has one line per part.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_command_smoke_mode(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHON": sys.executable, "MPLBACKEND": "Agg"}
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["suite", "gpu.py", "float8"]
+    assert all(": ok in " in line for line in lines), lines
+    assert "passed" in lines[0]
+    for name in ("env.txt", "suite.txt", "gpu_py.txt", "float8_models.txt"):
+        assert (out / name).stat().st_size > 0, name
+    assert "backend cpu" in (out / "env.txt").read_text()
+    assert done.stdout.splitlines()[-3:] == lines
+
+
+def test_the_full_mode_refuses_without_a_gpu(tmp_path):
+    if (
+        "gpu"
+        in subprocess.run(
+            [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    ):
+        pytest.skip("a GPU is here: the full mode would run")
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), str(tmp_path / "run")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "no GPU backend" in done.stderr and "--smoke" in done.stderr
