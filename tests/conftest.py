@@ -32,9 +32,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 TIERS = ("unit", "core", "integration")
-# A whole file in one tier says so on one line, which pytest_ignore_collect reads
-# without importing the file.
-_FILE_TIER = re.compile(r"^pytestmark = pytest\.mark\.(\w+)$", re.M)
+# A whole file in one tier says so on one line (the tier first where the file has
+# more markers), which pytest_ignore_collect reads without importing the file.
+_FILE_TIER = re.compile(r"^pytestmark = \[?pytest\.mark\.(\w+)[,\]]?", re.M)
 _MARK = re.compile(r"pytest\.mark\.(\w+)")
 
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.construct]
 
 F16, F32 = np.dtype("float16"), np.dtype("float32")
 TOL = dict(rtol=3e-2, atol=3e-2)

@@ -22,6 +22,9 @@ from jax import lax
 
 import jaxscale as jxs
 
+# Each test has its tier; all run on the floor and ceiling legs too.
+pytestmark = pytest.mark.construct
+
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F8 = {E4M3, E5M2}
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype("float16"), np.dtype("float32")
@@ -808,10 +811,12 @@ def test_value_and_grad_without_aux_and_with_aux():
 
     value2, grads2, s_plain = plain(w, state, x, t)
     assert y.shape == (2, 8, 16) and value.shape == () == value2.shape
-    np.testing.assert_allclose(value2, value, rtol=1e-5)
-    np.testing.assert_allclose(grads2, grads, rtol=1e-5)
+    # Two programs compiled apart: on a GPU their bfloat16 outputs (spacing
+    # 2**-8) and cuBLASLt's fast float8 accumulation differ by up to ~0.4%.
+    np.testing.assert_allclose(value2, value, rtol=1e-2)
+    np.testing.assert_allclose(grads2, grads, rtol=1e-2, atol=1e-3)
     for a, b in zip(jax.tree.leaves(s_aux), jax.tree.leaves(s_plain), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-2)
     with pytest.raises(TypeError, match="scalar"):  # aux without has_aux
         jax.eval_shape(jxs.float8.value_and_grad(loss, state), w, x, t)
 
