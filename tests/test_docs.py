@@ -195,15 +195,20 @@ def test_quickstart_guide_quotes_the_example():
             )
 
 
-def test_the_test_command_also_runs_the_avx2_pass_and_the_floors():
-    """Instruction-set and dependency-floor checks cannot silently drop out."""
+def test_the_test_command_also_runs_the_avx2_pass_the_floors_and_the_ceiling():
+    """Instruction-set, dependency-floor and newest-jax checks cannot silently
+    drop out."""
     tests = _readme_commands()["Tests"]
     assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2" in tests
-    assert tests.rstrip().endswith("&& .ci/floors")
+    assert tests.rstrip().endswith("&& .ci/floors && .ci/ceiling")
     floors = (ROOT / ".ci" / "floors").read_text()
     assert "set -euo pipefail" in floors and "rm -rf .venv-floors" in floors
     for name in ("jax", "optax", "flax"):
         assert f"floor {name}" in floors
+    ceiling = (ROOT / ".ci" / "ceiling").read_text()
+    assert "set -euo pipefail" in ceiling and "rm -rf .venv-ceiling" in ceiling
+    assert "pip install -q -U jax jaxlib flax optax equinox" in ceiling
+    assert "sys.version_info < (3, 12)" in ceiling  # jax 0.11 needs Python 3.12
 
 
 @pytest.mark.parametrize("name", jxs.diagnostics.__all__)
