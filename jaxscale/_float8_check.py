@@ -145,7 +145,7 @@ def gemm_report(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8Gem
       >>> import jaxscale as jxs, jax, jax.numpy as jnp
       >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16,
       ...                  float8=jxs.float8.CurrentScaling(min_dim=0))
-      >>> w, x = jnp.ones((32, 16)), jnp.ones((8, 32))
+      >>> w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
       >>> r = jxs.float8.gemm_report(jax.value_and_grad(f, (0, 1)), w, x)
       >>> r.float8_dots, r.rewritable  # the forward and both backward products
       (3, 3)

@@ -419,12 +419,15 @@ def test_assert_skipped_names_the_changed_leaf():
         jxt.assert_skipped(params, state, new_params, uncounted)
 
 
-def test_assert_bit_identical_sees_nan_payloads_and_structure():
+def test_assert_bit_identical_sees_nans_their_payloads_if_asked_and_structure():
     a = {"w": np.array([np.nan], np.float32)}
     b = {"w": np.array([0x7FC00001], np.uint32).view(np.float32)}  # another NaN
     jxt.assert_bit_identical(a, {"w": np.array([np.nan], np.float32)})
+    jxt.assert_bit_identical(a, b)  # a NaN is a NaN: what a skip promises
     with pytest.raises(AssertionError, match=r"0x7fc00001\) vs nan \(0x7fc00000\)"):
-        jxt.assert_bit_identical(a, b)
+        jxt.assert_bit_identical(a, b, nan_bits=True)
+    with pytest.raises(AssertionError, match=r"index \(0,\)"):  # NaN is not inf
+        jxt.assert_bit_identical(a, {"w": np.array([np.inf], np.float32)})
     with pytest.raises(AssertionError, match="`actual` has tree structure"):
         jxt.assert_bit_identical(a, [a["w"]])
     with pytest.raises(AssertionError, match=r"leaf 'w' of `actual` is float16\[1\]"):
