@@ -147,3 +147,19 @@ def test_small_float8_products_widen_their_operands_to_float32():
         loss, grads, _ = jax.jit(step)(w, x)
         assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grads)).all()
         np.testing.assert_allclose(float(loss), float(jnp.sum(x @ w)), rtol=1e-2)
+
+
+def test_no_module_emulates_a_dtype_by_casting_there_and_back():
+    """The source-level half of the check: no ``.astype(a).astype(b)`` chain in
+    the package (a cast round trip XLA:GPU may remove)."""
+    import pathlib
+
+    package = pathlib.Path(jxs.__file__).resolve().parent
+    chain = re.compile(r"\.astype\([^()]*\)\s*\.astype\(")
+    found = [
+        f"{p.name}: {line.strip()}"
+        for p in package.rglob("*.py")
+        for line in p.read_text().splitlines()
+        if chain.search(line)
+    ]
+    assert not found, found
