@@ -14,13 +14,10 @@ from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (
     accumulate_value_and_grad as accumulate_value_and_grad,
 )
-from jaxscale._autocast import autocast as autocast
-from jaxscale._autocast_interp import AutocastWarning as AutocastWarning
-from jaxscale._autocast_report import AutocastReport as AutocastReport
-from jaxscale._autocast_report import AutocastSite as AutocastSite
-from jaxscale._autocast_report import autocast_report as autocast_report
-from jaxscale._autocast_rules import AutocastRule as AutocastRule
-from jaxscale._autocast_rules import autocast_rules as autocast_rules
+from jaxscale._autocast.entry import autocast as autocast
+from jaxscale._autocast.interp import AutocastWarning as AutocastWarning
+from jaxscale._autocast.rules import AutocastRule as AutocastRule
+from jaxscale._autocast.rules import autocast_rules as autocast_rules
 from jaxscale._checkpoint import upgrade_checkpoint as upgrade_checkpoint
 from jaxscale._clip import clip_by_global_norm as clip_by_global_norm
 from jaxscale._clip import global_norm as global_norm
@@ -49,9 +46,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree
 
 __all__ = [
     "AccumulateState",
-    "AutocastReport",
     "AutocastRule",
-    "AutocastSite",
     "AutocastWarning",
     "CompositionWarning",
     "DynamicLossScale",
@@ -65,7 +60,6 @@ __all__ = [
     "accumulate_value_and_grad",
     "all_finite",
     "autocast",
-    "autocast_report",
     "autocast_rules",
     "cast_floating",
     "clip_by_global_norm",
@@ -81,12 +75,13 @@ __all__ = [
 ]
 
 
+# The diagnostics family moved to ``jaxscale.diagnostics`` in 0.3.0, the autocast
+# report (``autocast_report``, ``AutocastReport``, ``AutocastSite``) with it; the
+# old top-level names stay for one release, with a warning.
 _MOVED_TO_DIAGNOSTICS = frozenset(diagnostics.__all__)
 
 
 def __getattr__(name: str):
-    # The diagnostics family moved to ``jaxscale.diagnostics`` in 0.3.0; the old
-    # top-level names stay for one release, with a warning.
     if name in _MOVED_TO_DIAGNOSTICS:
         import warnings
 

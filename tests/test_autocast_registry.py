@@ -11,15 +11,23 @@ import numpy as np
 import pytest
 
 import jaxscale as jxs
-from jaxscale import _autocast_interp as interp
-from jaxscale._autocast_census import INLINE_HANDLERS
-from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_rules import HIGHER_ORDER, AutocastRule, resolve_rules
+from jaxscale._autocast import interp
+from jaxscale._autocast.hop import HANDLERS
+from jaxscale._autocast.rules import HIGHER_ORDER, AutocastRule, resolve_rules
+from jaxscale.diagnostics._census import INLINE_HANDLERS
 
 pytestmark = pytest.mark.unit
 
 PACKAGE = pathlib.Path(jxs.__file__).resolve().parent
-WING = sorted(PACKAGE.glob("_autocast*.py"))
+# The autocast wing (its folder) and the report that observes it (diagnostics).
+WING = sorted(
+    [
+        *(PACKAGE / "_autocast").glob("*.py"),
+        *(PACKAGE / "diagnostics").glob("_autocast_report.py"),
+        *(PACKAGE / "diagnostics").glob("_census.py"),
+        *(PACKAGE / "diagnostics").glob("_report_text.py"),
+    ]
+)
 
 
 def test_every_rule_class_has_one_behaviour():
@@ -171,14 +179,14 @@ def _imports(path):
     ], tree
 
 
-@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", WING, ids=lambda p: _name(p))
 def test_no_private_name_crosses_modules(path):
     found, _ = _imports(path)
     private = [f"{n.module}.{name}" for n, name in found if name.startswith("_")]
     assert not private, private
 
 
-@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", WING, ids=lambda p: _name(p))
 def test_no_function_local_imports_of_jaxscale(path):
     _, tree = _imports(path)
     local = [
@@ -191,24 +199,37 @@ def test_no_function_local_imports_of_jaxscale(path):
     assert not local, local
 
 
+def _name(path):
+    """A module's dotted name below ``jaxscale`` (``_autocast.hop``)."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(
+        ".__init__"
+    )
+
+
 # The floors of the wing, bottom first: a module imports only lower floors (the
 # modules outside the wing that it uses are on the ground floor).
-OUTSIDE = {"_cotangents", "_float8", "_float8_site", "_nnx", "_policy"}
+OUTSIDE = {
+    "diagnostics._cotangents",
+    "_float8",
+    "_float8_site",
+    "_nnx",
+    "_policy",
+}
 FLOORS = [
     {"_jax_private"},
-    {"_autocast_rules", "_autocast_report_text", *OUTSIDE},
-    {"_autocast_values"},
-    {"_autocast_interp"},
-    {"_autocast_hop"},
-    {"_autocast"},
-    {"_autocast_census"},
-    {"_autocast_report"},
+    {"_autocast", "_autocast.rules", "diagnostics._report_text", *OUTSIDE},
+    {"_autocast.values"},
+    {"_autocast.interp"},
+    {"_autocast.hop"},
+    {"_autocast.entry"},
+    {"diagnostics._census"},
+    {"diagnostics._autocast_report"},
 ]
 
 
-@pytest.mark.parametrize("path", WING, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", WING, ids=lambda p: _name(p))
 def test_imports_flow_one_way(path):
-    floor = next(i for i, f in enumerate(FLOORS) if path.stem in f)
+    floor = next(i for i, f in enumerate(FLOORS) if _name(path) in f)
     below = set().union(*FLOORS[:floor])
     found, _ = _imports(path)
     modules = {n.module.removeprefix("jaxscale.") for n, _ in found}

@@ -1,4 +1,4 @@
-"""jxs.autocast_report: the census of what autocast did (per primitive, per
+"""jxs.diagnostics.autocast_report: the census of what autocast did (per primitive, per
 source, bytes per dtype), the float32 islands, the constants and norm-rule
 decisions with their sources, the comparison with float32, and bad input.
 
@@ -15,8 +15,12 @@ import pytest
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast import autocast as jxs_autocast
-from jaxscale._autocast_report import AutocastReport, AutocastSite, autocast_report
+from jaxscale._autocast.entry import autocast as jxs_autocast
+from jaxscale.diagnostics._autocast_report import (
+    AutocastReport,
+    AutocastSite,
+    autocast_report,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxscale as jxs
-from jaxscale._underflow import cast_masks, cast_thresholds
+from jaxscale.diagnostics._underflow import cast_masks, cast_thresholds
 
 pytestmark = pytest.mark.core
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 from jaxscale import _jax_private as adapter
-from jaxscale._autocast_rules import HIGHER_ORDER, UNLISTED, resolve_rules
+from jaxscale._autocast.rules import HIGHER_ORDER, UNLISTED, resolve_rules
 
 pytestmark = pytest.mark.core
 

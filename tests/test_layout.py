@@ -157,3 +157,43 @@ def test_no_private_jax_outside_the_adapter():
         if "jax._src" in p.read_text() and p.name != "_jax_private.py"
     ]
     assert not offenders, offenders
+
+
+# The package's shape: the core at the top, and each wing in its folder.
+WINGS = {"_autocast", "diagnostics", "float8", "testing"}
+
+
+def test_the_wings_have_their_folders():
+    """``ls jaxscale/`` shows the core and the wings: no autocast or diagnostics
+    module lies at the top any more (the float8 implementation joins its folder
+    when it plugs into autocast)."""
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == WINGS, folders
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    stray = [
+        m
+        for m in top
+        if m.startswith("_autocast")
+        or m in {"_diagnostics", "_underflow", "_cotangents", "_monitor"}
+    ]
+    assert not stray, stray
+    for wing in ("_autocast", "diagnostics"):
+        assert len(list((PACKAGE / wing).glob("*.py"))) >= 4, wing
+
+
+def test_no_mutable_module_globals_in_the_autocast_wing():
+    """The wing's tables are read-only (``MappingProxyType``, tuples): state
+    lives in interpreters, not in modules."""
+    mutable = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    found = []
+    for path in sorted((PACKAGE / "_autocast").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            value = getattr(node, "value", None)
+            targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(
+                value, mutable
+            ):
+                names = [ast.unparse(t) for t in targets if t is not None]
+                if names != ["__all__"]:
+                    found.append(f"{path.name}: {', '.join(names)}")
+    assert not found, found

@@ -8,8 +8,9 @@ hooks ask for. Import it as ``jxs.diagnostics`` (``import jaxscale`` imports it)
 
     jxs.diagnostics.summary(opt_state)
 
-Until 0.3.0 these names were also at the top level (``jxs.summary``); those aliases
-still work for one release and warn with a :class:`DeprecationWarning`.
+Until 0.3.0 these names were also at the top level (``jxs.summary``,
+``jxs.autocast_report``); those aliases still work for one release and warn with a
+:class:`DeprecationWarning`.
 
 Examples:
     >>> import jax.numpy as jnp, optax
@@ -20,28 +21,34 @@ Examples:
     65536.0
 """
 
-from jaxscale._cotangents import CotangentStats as CotangentStats
-from jaxscale._cotangents import cotangent_probe as cotangent_probe
-from jaxscale._cotangents import cotangent_report as cotangent_report
-from jaxscale._cotangents import cotangent_table as cotangent_table
-from jaxscale._diagnostics import UnderflowReport as UnderflowReport
-from jaxscale._diagnostics import layer_norms as layer_norms
-from jaxscale._diagnostics import nonfinite_paths as nonfinite_paths
-from jaxscale._diagnostics import summary as summary
-from jaxscale._diagnostics import underflow_report as underflow_report
-from jaxscale._monitor import MonitorState as MonitorState
-from jaxscale._monitor import NoOverflowWarning as NoOverflowWarning
-from jaxscale._monitor import OverflowEvent as OverflowEvent
-from jaxscale._monitor import ScaleAtFloorWarning as ScaleAtFloorWarning
-from jaxscale._monitor import monitor as monitor
+from jaxscale.diagnostics._autocast_report import AutocastReport as AutocastReport
+from jaxscale.diagnostics._autocast_report import AutocastSite as AutocastSite
+from jaxscale.diagnostics._autocast_report import autocast_report as autocast_report
+from jaxscale.diagnostics._cotangents import CotangentStats as CotangentStats
+from jaxscale.diagnostics._cotangents import cotangent_probe as cotangent_probe
+from jaxscale.diagnostics._cotangents import cotangent_report as cotangent_report
+from jaxscale.diagnostics._cotangents import cotangent_table as cotangent_table
+from jaxscale.diagnostics._monitor import MonitorState as MonitorState
+from jaxscale.diagnostics._monitor import NoOverflowWarning as NoOverflowWarning
+from jaxscale.diagnostics._monitor import OverflowEvent as OverflowEvent
+from jaxscale.diagnostics._monitor import ScaleAtFloorWarning as ScaleAtFloorWarning
+from jaxscale.diagnostics._monitor import monitor as monitor
+from jaxscale.diagnostics._summary import UnderflowReport as UnderflowReport
+from jaxscale.diagnostics._summary import layer_norms as layer_norms
+from jaxscale.diagnostics._summary import nonfinite_paths as nonfinite_paths
+from jaxscale.diagnostics._summary import summary as summary
+from jaxscale.diagnostics._summary import underflow_report as underflow_report
 
 __all__ = [
+    "AutocastReport",
+    "AutocastSite",
     "CotangentStats",
     "MonitorState",
     "NoOverflowWarning",
     "OverflowEvent",
     "ScaleAtFloorWarning",
     "UnderflowReport",
+    "autocast_report",
     "cotangent_probe",
     "cotangent_report",
     "cotangent_table",

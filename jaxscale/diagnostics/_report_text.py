@@ -1,8 +1,8 @@
-"""How an :class:`~jaxscale.AutocastReport` prints: ``str(report)`` as tables.
+"""How a :class:`~jaxscale.diagnostics.AutocastReport` prints: tables.
 
 The functions here read the report's and its sites' attributes; they import no
-other module of the package (:mod:`jaxscale._autocast_report` and
-:mod:`jaxscale._autocast_census` import them).
+other module of the package (:mod:`jaxscale.diagnostics._autocast_report` and
+:mod:`jaxscale.diagnostics._census` import them).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _section(
 
 
 def render(r: Any) -> str:
-    """The report ``r`` (an :class:`~jaxscale.AutocastReport`) as tables."""
+    """The report ``r`` (an :class:`~jaxscale.diagnostics.AutocastReport`) as tables."""
     dts = _dtype_order(r)
     per = [sum(row.get(d, 0) for row in r.by_primitive.values()) for d in dts]
     summary = ", ".join(f"{n} {d}" for n, d in zip(per, dts, strict=True))

@@ -18,7 +18,7 @@ from jaxscale._composition import scaling_state_of, scaling_states
 from jaxscale._loss_scale import DynamicLossScale
 from jaxscale._state import LeafFlags, flag_values
 from jaxscale._tree import is_float_leaf, path_name
-from jaxscale._underflow import cast_masks, half_dtype, scale_value
+from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
 
 __all__ = [
     "UnderflowReport",

@@ -1,11 +1,11 @@
-"""``jxs.autocast_report``: what :func:`jaxscale.autocast` did to a function.
+"""``jxs.diagnostics.autocast_report``: what :func:`jaxscale.autocast` did.
 
 The function is run under autocast with an observing interpreter
-(:mod:`jaxscale._autocast_census`), under ``jax.eval_shape``: nothing is
+(:mod:`jaxscale.diagnostics._census`), under ``jax.eval_shape``: nothing is
 computed, so it works on models of any size. It records each equation of the
 user's function once, and which float32 values descend from a low-precision
 activation (the float32 islands); this module turns the records into an
-:class:`AutocastReport` (:mod:`jaxscale._autocast_report_text` prints it).
+:class:`AutocastReport` (:mod:`jaxscale.diagnostics._report_text` prints it).
 
 With ``compare=True`` the function is also run eagerly twice on the same jaxpr:
 at float32 (every value kept) and under autocast, and each operation's output is
@@ -24,15 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast import check_dtype, interpret, names_dot
-from jaxscale._autocast_census import INLINE_HANDLERS, Census, Compare, source_of
-from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_report_text import render
-from jaxscale._autocast_rules import AutocastRule, resolve_rules
-from jaxscale._autocast_values import floating
-from jaxscale._cotangents import as_pure
+from jaxscale._autocast.entry import check_dtype, interpret, names_dot
+from jaxscale._autocast.hop import HANDLERS
+from jaxscale._autocast.rules import AutocastRule, resolve_rules
+from jaxscale._autocast.values import floating
 from jaxscale._float8 import CurrentScaling, DelayedScaling, check_recipe
 from jaxscale._float8_site import Context
+from jaxscale.diagnostics._census import INLINE_HANDLERS, Census, Compare, source_of
+from jaxscale.diagnostics._cotangents import as_pure
+from jaxscale.diagnostics._report_text import render
 
 __all__ = ["AutocastReport", "AutocastSite", "autocast_report"]
 
@@ -71,8 +71,8 @@ class AutocastSite:
     Examples:
       >>> import jaxscale as jxs
       >>> import jax.numpy as jnp
-      >>> report = jxs.autocast_report(lambda x: jnp.log(jnp.tanh(x @ x) + 1e-8))(
-      ...     jnp.ones((4, 4)))
+      >>> f = lambda x: jnp.log(jnp.tanh(x @ x) + 1e-8)
+      >>> report = jxs.diagnostics.autocast_report(f)(jnp.ones((4, 4)))
       >>> site = report.constants[0]
       >>> site.primitive, site.shape, site.dtype
       ('add', (4, 4), 'float32')
@@ -145,7 +145,8 @@ class AutocastReport:
       >>> import jax, jax.numpy as jnp
       >>> def f(w, x):
       ...     return jnp.sum(jnp.tanh(x @ w))
-      >>> report = jxs.autocast_report(f)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> report_fn = jxs.diagnostics.autocast_report(f)
+      >>> report = report_fn(jnp.ones((3, 2)), jnp.ones((4, 3)))
       >>> dict(report.by_primitive["dot_general"]), report.operations
       ({'float16': 1}, 3)
       >>> dict(report.bytes_by_dtype)  # f16[4,2] twice (dot, tanh), f32[] once
@@ -287,7 +288,7 @@ def autocast_report(
 ) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to ``fun``: each operation's dtype, and where.
 
-    ``jxs.autocast_report(fun, dtype, rules=...)`` takes the arguments of
+    ``jxs.diagnostics.autocast_report(fun, dtype, rules=...)`` takes the arguments of
     ``jxs.autocast`` and returns a function with ``fun``'s signature that
     returns an :class:`AutocastReport` instead of ``fun``'s outputs: how many
     operations ran in which dtype, per primitive and per source (the Flax module
@@ -352,7 +353,7 @@ def autocast_report(
       ...     h = jax.nn.relu(x @ params["w1"] + params["b1"][None])
       ...     return jax.nn.softmax(h @ params["w2"])
       >>> params = {"w1": jnp.ones((4, 8)), "b1": jnp.zeros(8), "w2": jnp.ones((8, 3))}
-      >>> report = jxs.autocast_report(mlp)(params, jnp.ones((2, 4)))
+      >>> report = jxs.diagnostics.autocast_report(mlp)(params, jnp.ones((2, 4)))
       >>> dict(report.by_primitive["dot_general"]), dict(report.by_primitive["exp"])
       ({'float16': 2}, {'float32': 1})
       >>> report.islands  # every activation stays float16
@@ -363,7 +364,7 @@ def autocast_report(
       >>> def loss(params, x, y):
       ...     return jnp.mean(jnp.abs(x @ params["w1"] - y))
       >>> y = jnp.full((2, 8), 0.1)
-      >>> report = jxs.autocast_report(loss)(params, jnp.ones((2, 4)), y)
+      >>> report = jxs.diagnostics.autocast_report(loss)(params, jnp.ones((2, 4)), y)
       >>> for site in report.islands:
       ...     print(site.primitive, site.shape, site.note)
       sub (2, 8) float16 widened by f32[2,8] (bias)
@@ -374,17 +375,18 @@ def autocast_report(
 
       >>> w, x = jnp.full((4, 4), 200.0), jnp.full((2, 4), 100.0)
       >>> f = lambda w, x: jnp.mean(jnp.log(x @ w))
-      >>> worst = jxs.autocast_report(f, compare=True)(w, x).deviation[0]
+      >>> worst = jxs.diagnostics.autocast_report(f, compare=True)(w, x).deviation[0]
       >>> worst.primitive, worst.nonfinite, worst.local_error
       ('dot_general', 8, inf)
-      >>> print(jxs.autocast_report(f, compare=True)(w, x))  # doctest: +ELLIPSIS
+      >>> report = jxs.diagnostics.autocast_report(f, compare=True)(w, x)
+      >>> print(report)  # doctest: +ELLIPSIS
       autocast report: float16, 5 operations (1 float16, 4 float32)
       ...
     """
     if not callable(fun):
         raise TypeError(
             f"`fun` must be callable, got {type(fun).__name__}: "
-            "`jxs.autocast_report(fun, dtype)(*args)` reports what "
+            "`jxs.diagnostics.autocast_report(fun, dtype)(*args)` reports what "
             "`jxs.autocast(fun, dtype)(*args)` does."
         )
     dt = check_dtype(dtype)

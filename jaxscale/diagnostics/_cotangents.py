@@ -34,7 +34,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jaxscale import _nnx
 from jaxscale._loss_scale import scale_tree
 from jaxscale._tree import is_float_leaf
-from jaxscale._underflow import cast_masks, half_dtype, scale_value
+from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
 
 __all__ = ["CotangentStats", "cotangent_probe", "cotangent_report", "cotangent_table"]
 

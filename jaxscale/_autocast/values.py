@@ -4,7 +4,7 @@ and size (torch's scalar rule, the bias and normalisation rules), whether it is 
 parameter or a statistic, and its values when they are known at trace time (a
 constant, checked against the narrow dtype's range: :func:`const_fit`,
 :func:`saturate`). :func:`provenance` derives an equation's outputs' ``Info``
-(the rule classes of :mod:`jaxscale._autocast_interp` refine it).
+(the rule classes of :mod:`jaxscale._autocast.interp` refine it).
 """
 
 from __future__ import annotations

@@ -408,18 +408,20 @@ UNLISTED: Mapping[str, str] = types.MappingProxyType(
     }
 )
 
-_DEFAULT: dict[str, AutocastRule] = {
-    **dict.fromkeys(_LOWER, AutocastRule.LOWER),
-    **dict.fromkeys(_FLOAT32, AutocastRule.FLOAT32),
-    **dict.fromkeys(_PROMOTE, AutocastRule.PROMOTE),
-    **dict.fromkeys(_BIAS, AutocastRule.BIAS),
-    **dict.fromkeys(_LOOKUP, AutocastRule.LOOKUP),
-    **dict.fromkeys(_KEEP, AutocastRule.KEEP),
-    **dict.fromkeys(_TRACED, AutocastRule.TRACED),
-}
+_DEFAULT: Mapping[str, AutocastRule] = types.MappingProxyType(
+    {
+        **dict.fromkeys(_LOWER, AutocastRule.LOWER),
+        **dict.fromkeys(_FLOAT32, AutocastRule.FLOAT32),
+        **dict.fromkeys(_PROMOTE, AutocastRule.PROMOTE),
+        **dict.fromkeys(_BIAS, AutocastRule.BIAS),
+        **dict.fromkeys(_LOOKUP, AutocastRule.LOOKUP),
+        **dict.fromkeys(_KEEP, AutocastRule.KEEP),
+        **dict.fromkeys(_TRACED, AutocastRule.TRACED),
+    }
+)
 
 # Higher-order primitives the interpreter recurses into, each with the construct
-# it is (the key of its handler in ``jaxscale._autocast_hop.HANDLERS``): every
+# it is (the key of its handler in ``jaxscale._autocast.hop.HANDLERS``): every
 # name they have had from jax 0.7 to 0.12 ("pjit" is jit's older name,
 # "checkpoint" and "remat2" are jax.checkpoint's, "core_call" and "eval_jaxpr"
 # closed_call's older and newer ones) and the live primitives' names. Version

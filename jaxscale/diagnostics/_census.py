@@ -1,9 +1,9 @@
-"""The observing interpreters of :func:`jaxscale.autocast_report`.
+"""The observing interpreters of :func:`jaxscale.diagnostics.autocast_report`.
 
 :class:`Census` runs the function under autocast (under ``jax.eval_shape``) and
 records each equation of the function once (a subclass of
-:class:`~jaxscale._autocast_interp.Interpreter` whose ``observer`` receives a
-:class:`~jaxscale._autocast_interp.Record` per first-order equation): its source,
+:class:`~jaxscale._autocast.interp.Interpreter` whose ``observer`` receives a
+:class:`~jaxscale._autocast.interp.Record` per first-order equation): its source,
 the dtype it ran in, its outputs, autocast's notes and whether it is in a float32
 island. The interpreters keep track of the higher-order equations they are
 inside, to give every equation of the user's function one key however often a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -26,15 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import (
+from jaxscale._autocast.hop import HANDLERS
+from jaxscale._autocast.interp import (
     REGION_PREFIX,
     Interpreter,
     Record,
 )
-from jaxscale._autocast_report_text import typed
-from jaxscale._autocast_rules import AutocastRule
-from jaxscale._autocast_values import Info, cast, dtype_of, floating, is_castable
+from jaxscale._autocast.rules import AutocastRule
+from jaxscale._autocast.values import Info, cast, dtype_of, floating, is_castable
 from jaxscale._jax_private import (
     call_body,
     construct_of,
@@ -47,6 +47,7 @@ from jaxscale._jax_private import (
     user_frame,
     while_parts,
 )
+from jaxscale.diagnostics._report_text import typed
 
 __all__ = ["INLINE_HANDLERS", "Census", "Compare", "source_of"]
 
@@ -514,7 +515,9 @@ def _inline_body(eqn: Any) -> Any:
 
 # The handlers of the comparison: the call-like constructs evaluated in place.
 _CALLS = frozenset({"call", "custom_jvp", "custom_vjp", "jit", "remat"})
-INLINE_HANDLERS = {
-    construct: _inline if construct in _CALLS else handler
-    for construct, handler in HANDLERS.items()
-}
+INLINE_HANDLERS: Mapping[str, Any] = MappingProxyType(
+    {
+        construct: _inline if construct in _CALLS else handler
+        for construct, handler in HANDLERS.items()
+    }
+)

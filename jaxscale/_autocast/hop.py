@@ -30,7 +30,7 @@ consts/carry/xs split, a ``custom_vjp``'s rules...), never read here:
 :data:`jaxscale._jax_private.HIGHER_ORDER_NAMES` (and ``"generic"``) to its
 handler. A handler returns ``None`` when the equation's parameters are not the
 ones it knows (the interpreter then tries :func:`generic`), and raises
-:class:`~jaxscale._autocast_interp.Unrewritable` with the reason when the
+:class:`~jaxscale._autocast.interp.Unrewritable` with the reason when the
 construct cannot be rewritten at all (it then runs as traced, with an
 :class:`~jaxscale.AutocastWarning` that says why).
 """
@@ -46,8 +46,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast_interp import Interpreter, Unrewritable
-from jaxscale._autocast_values import (
+from jaxscale._autocast.interp import Interpreter, Unrewritable
+from jaxscale._autocast.values import (
     Info,
     cast,
     dtype_of,

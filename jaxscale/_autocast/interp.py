@@ -3,12 +3,12 @@
 :class:`Interpreter` evaluates a jaxpr equation by equation on the values it is
 given (arrays or tracers of whatever trace is current: ``jit``, ``grad``,
 ``vmap``...). For each equation it casts the floating operands as the
-primitive's rule says (:mod:`jaxscale._autocast_rules`) and binds the primitive
+primitive's rule says (:mod:`jaxscale._autocast.rules`) and binds the primitive
 again, so the casts are ordinary ``convert_element_type`` operations that JAX
 differentiates, batches and compiles like hand-written ones.
 
 Next to each value it keeps a little provenance (:class:`Info`, in
-:mod:`jaxscale._autocast_values`) for the rules that are not per-primitive: torch's
+:mod:`jaxscale._autocast.values`) for the rules that are not per-primitive: torch's
 scalar rule (a rank-0 operand, or one broadcast from rank 0, does not decide a
 promotion), the bias rule (the float32 vector added to a matmul's output runs in
 the low dtype, as torch's ``linear`` does), the normalisation rule (float32
@@ -19,7 +19,7 @@ widens its operation).
 What each rule class does is one object (:class:`RuleClass`: casts, parameters,
 emission, provenance), found through the registry :data:`RULE_CLASSES`; the
 interpreter's loop knows no class by name. Higher-order primitives are delegated
-to handlers (:mod:`jaxscale._autocast_hop`).
+to handlers (:mod:`jaxscale._autocast.hop`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxscale._autocast_rules import AutocastRule
-from jaxscale._autocast_values import (
+from jaxscale._autocast.rules import AutocastRule
+from jaxscale._autocast.values import (
     Info,
     bias_kind,
     cast,
@@ -413,7 +413,7 @@ class Interpreter:
     ``classes`` the members to their behaviour (:data:`RULE_CLASSES`), and
     ``handlers`` higher-order constructs (``"scan"``, ``"call"``, ...,
     ``"generic"`` for any other) to the functions that evaluate them
-    (:data:`jaxscale._autocast_hop.HANDLERS`).
+    (:data:`jaxscale._autocast.hop.HANDLERS`).
     """
 
     def __init__(

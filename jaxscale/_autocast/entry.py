@@ -2,8 +2,8 @@
 
 The function is traced once to a jaxpr at the dtypes it was written for, then
 evaluated by an interpreter that decides each primitive's dtype from a table
-(:mod:`jaxscale._autocast_rules`, :mod:`jaxscale._autocast_interp`,
-:mod:`jaxscale._autocast_hop`). The decisions are made at trace time; the compiled
+(:mod:`jaxscale._autocast.rules`, :mod:`jaxscale._autocast.interp`,
+:mod:`jaxscale._autocast.hop`). The decisions are made at trace time; the compiled
 program holds only the casts, as if they were written by hand.
 """
 
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast_hop import HANDLERS
-from jaxscale._autocast_interp import REGION_PREFIX, AutocastWarning, Interpreter
-from jaxscale._autocast_rules import AutocastRule, resolve_rules
-from jaxscale._autocast_values import cast, dtype_of, input_info, is_castable
+from jaxscale._autocast.hop import HANDLERS
+from jaxscale._autocast.interp import REGION_PREFIX, AutocastWarning, Interpreter
+from jaxscale._autocast.rules import AutocastRule, resolve_rules
+from jaxscale._autocast.values import cast, dtype_of, input_info, is_castable
 from jaxscale._float8 import DelayedScaling, check_recipe
 from jaxscale._float8_site import Context, current_context
 from jaxscale._jax_private import convert_weak
@@ -334,7 +334,7 @@ def interpret(
     cast_outputs: bool = True,
 ) -> Any:
     """``fun(*args, **kwargs)`` traced once and evaluated by ``it`` (an
-    :class:`~jaxscale._autocast_interp.Interpreter`, or an observing subclass for
+    :class:`~jaxscale._autocast.interp.Interpreter`, or an observing subclass for
     the report); NNX modules among the arguments get their new state back."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
