@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import _nnx
-from jaxscale._composition import check_composition, find_state
+from jaxscale._composition import check_composition
+from jaxscale._find import locate
 from jaxscale._loss_scale import LossScale
 from jaxscale._tree import first_non_array
 
@@ -188,9 +189,9 @@ def find_loss_scale(opt_state: Any, name: str) -> LossScale:
             f"`jxs.StaticLossScale.create({shown!r})`; for dynamic scaling pass "
             "the state of `jxs.dynamic_scaling(inner)`."
         )
-    _, found = find_state(opt_state, LossScale, name)
-    check_composition(opt_state, name)
-    return found
+    found = locate(opt_state, name)  # one walk: the scale and where it sits
+    check_composition(opt_state, found.scaling_path, name)
+    return found.loss_scale
 
 
 def value_and_grad(

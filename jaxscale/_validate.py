@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import _nnx
-from jaxscale._composition import (
+from jaxscale._find import (
     RESTORED_WITHOUT_TARGET,
     looks_restored_without_target,
     scaling_states,

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale._accumulate import AccumulateState
-from jaxscale._composition import scaling_state_of
+from jaxscale._find import scaling_state_of
 from jaxscale._grad import find_loss_scale, value_and_grad
 from jaxscale._tree import all_finite, select_tree
 

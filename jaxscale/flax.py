@@ -27,7 +27,7 @@ from flax.training import train_state
 from jaxscale import _nnx
 from jaxscale._accumulate import AccumulateState
 from jaxscale._checkpoint import register_flax_serialization
-from jaxscale._composition import scaling_state_of, scaling_states
+from jaxscale._find import scaling_state_of, scaling_states
 from jaxscale._tree import all_finite, select_tree
 
 __all__ = [

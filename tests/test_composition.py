@@ -732,3 +732,33 @@ def test_named_chain_state_keeps_its_order_through_jit():
     state = optax.named_chain(("z", optax.trace(0.9)), ("ds", ds())).init(params())
     out = jax.jit(lambda s: s)(state)
     assert isinstance(out, collections.OrderedDict) and list(out) == ["z", "ds"]
+
+
+@pytest.mark.unit
+def test_the_loss_scale_lookup_walks_the_state_once(monkeypatch):
+    """``loss_scale_of`` (and so ``jxs.value_and_grad``) finds the scale, its
+    path and the composition findings in one walk of the optimizer state: one
+    ``locate``, no second search (the judge reads only the nodes on the path)."""
+    from jaxscale import _find, _grad
+
+    calls = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(_grad, "locate", counted("locate", _find.locate))
+    monkeypatch.setattr(_find, "find_state", counted("find_state", _find.find_state))
+    tx = optax.chain(
+        optax.add_decayed_weights(0.0), jxs.dynamic_scaling(optax.sgd(0.1))
+    )
+    with pytest.raises(ValueError, match="after 1 other transformation"):
+        jxs.loss_scale_of(tx.init({"w": jnp.zeros(3)}))  # found on that walk
+    assert calls == ["locate"]
+    calls.clear()
+    ok = (jxs.dynamic_scaling(optax.sgd(0.1)).init({"w": jnp.zeros(3)}),)
+    assert float(jxs.loss_scale_of(ok).loss_scale) == 2.0**16
+    assert calls == ["locate"]

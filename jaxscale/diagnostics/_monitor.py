@@ -21,7 +21,7 @@ from jax import lax
 
 from jaxscale import _nnx
 from jaxscale._args import check_int
-from jaxscale._composition import scaling_state_of
+from jaxscale._find import scaling_state_of
 from jaxscale._state import LeafFlags
 from jaxscale._tree import saturating_increment
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._clip import overflow_safe_norm
-from jaxscale._composition import scaling_state_of, scaling_states
+from jaxscale._find import scaling_state_of, scaling_states
 from jaxscale._loss_scale import DynamicLossScale
 from jaxscale._state import LeafFlags, flag_values
 from jaxscale._tree import is_float_leaf, path_name

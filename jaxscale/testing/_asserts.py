@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._composition import scaling_state_of
+from jaxscale._find import scaling_state_of
 from jaxscale._grad import loss_scale_of
 from jaxscale._loss_scale import DynamicLossScale, LossScale
 from jaxscale._tree import is_float_leaf, leaf_names
