@@ -1,5 +1,5 @@
-"""``examples/float8_char.py`` runs with float8 on, and docs/examples.md shows
-the committed run (``docs/_static/float8_char.json``)."""
+"""``examples/float8_char.py`` runs with float8 on, and docs/measurements.md
+shows the committed run (``docs/_static/float8_char.json``)."""
 
 import importlib.util
 import json
@@ -28,12 +28,12 @@ def _module():
 
 
 def _section() -> str:
-    """The float8 section of docs/examples.md (the file's last)."""
-    text = (ROOT / "docs" / "examples.md").read_text()
-    assert HEADING in text, f"docs/examples.md has no '{HEADING}' section."
+    """The float8 section of docs/measurements.md (the file's last)."""
+    text = (ROOT / "docs" / "measurements.md").read_text()
+    assert HEADING in text, f"docs/measurements.md has no '{HEADING}' section."
     section = text[text.index(HEADING) :]
     assert not re.search(r"^## ", section[len(HEADING) :], re.M), (
-        "the float8 section should be the last of docs/examples.md"
+        "the float8 section should be the last of docs/measurements.md"
     )
     return section
 
@@ -79,7 +79,8 @@ def test_example_runs_with_float8_on(tmp_path):
 def test_docs_table_is_the_committed_run():
     """docs/_static/float8_char.json is a run at the script's defaults (three
     seeds); its summary is its runs' numbers, and the section of
-    docs/examples.md has its table, its verdicts and the command that made it."""
+    docs/measurements.md has its table, its verdicts and the command that made
+    it."""
     f8 = _module()
     doc = json.loads(COMMITTED.read_text())
     defaults = {

@@ -1,4 +1,4 @@
-"""The real-data examples at their default size reach the numbers in docs/examples.md.
+"""The real-data examples at their default size reach docs/measurements.md's numbers.
 
 These run ``examples/digits_cnn.py`` and ``examples/char_transformer.py`` with
 their default ``--steps`` (about a minute each on a free 2-core CPU), so they
