@@ -55,7 +55,7 @@ for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
 import gpu  # noqa: E402 (after the path)
 
 import jaxscale as jxs  # noqa: E402
-from jaxscale._float8_check import summarize  # noqa: E402 (one compile per step)
+from jaxscale.float8._check import summarize  # noqa: E402 (one compile per step)
 
 BF16 = jnp.bfloat16
 VARIANTS = ("bfloat16", "float8 current", "float8 delayed")

@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxscale._float8_api import Float8State
 from jaxscale._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxscale._state import DynamicScalingState, LeafFlags, no_flags_named
 from jaxscale._tree import ROOT_NAME, leaf_names
+from jaxscale.float8._api import Float8State
 
 __all__ = ["register_flax_serialization", "upgrade_checkpoint"]
 

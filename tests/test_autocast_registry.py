@@ -210,8 +210,8 @@ def _name(path):
 # modules outside the wing that it uses are on the ground floor).
 OUTSIDE = {
     "diagnostics._cotangents",
-    "_float8",
-    "_float8_site",
+    "float8._recipes",
+    "float8._site",
     "_nnx",
     "_policy",
 }

@@ -112,7 +112,7 @@ def test_why_small_float8_dots_gave_inf_on_the_gpu():
     """The GPU run's ``jxs.float8.apply`` doctest (x = ones(4, 8), w = eye(8)):
     per-tensor scales put both operands at e4m3's maximum, 448, and
     448 * 448 = 200704 is above float16's 65504."""
-    from jaxscale._float8 import quantize, scale_from_amax
+    from jaxscale.float8._recipes import quantize, scale_from_amax
 
     f8 = jnp.float8_e4m3fn
     x, w = jnp.ones((4, 8)), jnp.eye(8)
@@ -128,7 +128,7 @@ def test_small_float8_products_widen_their_operands_to_float32():
     """Below ``SMALL_DOT`` (well above XLA:GPU's threshold) a site's dots take
     float32 operands (exact, and finite on the GPU); above it they keep
     ``dot(f8, f8)``, the form XLA:GPU rewrites to a float8 cuBLASLt GEMM."""
-    from jaxscale._float8_site import SMALL_DOT, gemm_form
+    from jaxscale.float8._site import SMALL_DOT, gemm_form
 
     assert SMALL_DOT >= 5 * XLA_GPU_GEMM_REWRITE_SIZE_THRESHOLD
     assert gemm_form(4, 8, 8) == "float32" and gemm_form(16, 16, 16) == "float8"

@@ -22,11 +22,11 @@ from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import REGION_PREFIX, AutocastWarning, Interpreter
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
 from jaxscale._autocast.values import cast, dtype_of, input_info, is_castable
-from jaxscale._float8 import DelayedScaling, check_recipe
-from jaxscale._float8_site import Context, current_context
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
+from jaxscale.float8._recipes import DelayedScaling, check_recipe
+from jaxscale.float8._site import Context, current_context
 
 __all__ = ["autocast", "check_dtype", "interpret", "names_dot"]
 

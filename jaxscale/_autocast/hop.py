@@ -57,7 +57,6 @@ from jaxscale._autocast.values import (
     size_of,
     widest,
 )
-from jaxscale._float8_site import broadcast_max, suspended
 from jaxscale._jax_private import (
     HIGHER_ORDER_NAMES,
     bind,
@@ -78,6 +77,7 @@ from jaxscale._jax_private import (
     trace,
     while_parts,
 )
+from jaxscale.float8._site import broadcast_max, suspended
 
 __all__ = ["HANDLERS", "generic"]
 

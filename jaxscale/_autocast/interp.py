@@ -51,7 +51,6 @@ from jaxscale._autocast.values import (
     retype_combiner,
     size_of,
 )
-from jaxscale._float8_site import Context, eligible, float8_dot, signature, sizes
 from jaxscale._jax_private import (
     bind,
     construct_of,
@@ -62,6 +61,7 @@ from jaxscale._jax_private import (
     opaque_functions,
     subjaxprs,
 )
+from jaxscale.float8._site import Context, eligible, float8_dot, signature, sizes
 
 __all__ = [
     "AutocastWarning",
@@ -317,7 +317,7 @@ class Traced(RuleClass):
 class Float8(RuleClass):
     """``"float8"``: a ``dot_general`` without batch dimensions and with every
     size at least the recipe's ``min_dim`` runs as a float8 matmul (a *site*:
-    :func:`jaxscale._float8_site.float8_dot`); any other is ``"lower"``. The
+    :func:`jaxscale.float8._site.float8_dot`); any other is ``"lower"``. The
     operands are not cast first: each is quantised from its own dtype."""
 
     __slots__ = ()

@@ -28,11 +28,11 @@ from jaxscale._autocast.entry import check_dtype, interpret, names_dot
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
 from jaxscale._autocast.values import floating
-from jaxscale._float8 import CurrentScaling, DelayedScaling, check_recipe
-from jaxscale._float8_site import Context
 from jaxscale.diagnostics._census import INLINE_HANDLERS, Census, Compare, source_of
 from jaxscale.diagnostics._cotangents import as_pure
 from jaxscale.diagnostics._report_text import render
+from jaxscale.float8._recipes import CurrentScaling, DelayedScaling, check_recipe
+from jaxscale.float8._site import Context
 
 __all__ = ["AutocastReport", "AutocastSite", "autocast_report"]
 

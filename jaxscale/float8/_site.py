@@ -41,14 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._float8 import (
+from jaxscale._jax_private import dot_dimension_numbers
+from jaxscale.float8._recipes import (
     DelayedScaling,
     Recipe,
     amax,
     quantize,
     scale_from_amax,
 )
-from jaxscale._jax_private import dot_dimension_numbers
 
 __all__ = [
     "SMALL_DOT",

@@ -4,7 +4,7 @@
 site; :func:`init` finds the sites by tracing the function once;
 :func:`value_and_grad` differentiates the function with the state in scope and
 returns the new state (each site's new amax history comes back as the
-cotangent of its state, see :mod:`jaxscale._float8_site`); :func:`apply` runs
+cotangent of its state, see :mod:`jaxscale.float8._site`); :func:`apply` runs
 it forward with the state (evaluation).
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxscale._float8 import DelayedScaling
-from jaxscale._float8_site import Context, SiteState, decode, using_state
 from jaxscale._grad import value_and_grad as _scaled_value_and_grad
+from jaxscale.float8._recipes import DelayedScaling
+from jaxscale.float8._site import Context, SiteState, decode, using_state
 
 __all__ = ["Float8State", "apply", "init", "value_and_grad"]
 
