@@ -180,12 +180,14 @@ def test_the_wings_have_their_folders():
         assert len(list((PACKAGE / wing).glob("*.py"))) >= 4, wing
 
 
-def test_no_mutable_module_globals_in_the_autocast_wing():
-    """The wing's tables are read-only (``MappingProxyType``, tuples): state
-    lives in interpreters, not in modules."""
+@pytest.mark.parametrize("wing", ["_autocast", "float8", "diagnostics"])
+def test_no_mutable_module_globals_in_the_wings(wing):
+    """The wings' tables are read-only (``MappingProxyType``, tuples): state
+    lives in interpreters and contexts, and what a trace puts in scope lives in a
+    thread-local ``jaxscale._scope.Scope``, not in a module's list."""
     mutable = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
     found = []
-    for path in sorted((PACKAGE / "_autocast").glob("*.py")):
+    for path in sorted((PACKAGE / wing).glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             value = getattr(node, "value", None)
             targets = getattr(node, "targets", None) or [getattr(node, "target", None)]

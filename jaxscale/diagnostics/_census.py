@@ -191,11 +191,13 @@ def _ran_in(
     return np.dtype(dtype_of(outs[0])).name if outs else "none"
 
 
-_CARRIED = {
-    "scan": "{} loop carry kept in float32",
-    "while": "{} loop carry kept in float32",
-    "cond": "{} branch result widened to another branch's float32",
-}
+_CARRIED = MappingProxyType(
+    {
+        "scan": "{} loop carry kept in float32",
+        "while": "{} loop carry kept in float32",
+        "cond": "{} branch result widened to another branch's float32",
+    }
+)
 
 
 def _aligned(frame: _Frame, jaxpr: Any) -> list[bool]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -33,6 +32,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxscale import _nnx
 from jaxscale._loss_scale import scale_tree
+from jaxscale._scope import Scope
 from jaxscale._tree import is_float_leaf
 from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
 
@@ -112,7 +112,8 @@ class _Recorder:
         self.sites: list[tuple[str, int | None]] = []
 
 
-_local = threading.local()
+# The recorder of the report being traced (trace time only, per thread).
+_RECORDERS = Scope("cotangent report")
 _traces = itertools.count()
 
 
@@ -129,17 +130,12 @@ def _fresh_traces() -> Any:
 
 
 def _active() -> _Recorder | None:
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
+    return _RECORDERS.current()
 
 
 def _run(recorder: _Recorder, fun: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    _local.stack = getattr(_local, "stack", [])
-    _local.stack.append(recorder)
-    try:
+    with _RECORDERS.push(recorder):
         return fun(*args, **kw)
-    finally:
-        _local.stack.pop()
 
 
 # --------------------------------------------------------------------------- #

@@ -8,6 +8,7 @@ other module of the package (:mod:`jaxscale.diagnostics._autocast_report` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,9 @@ import numpy as np
 __all__ = ["render", "typed"]
 
 _ROWS = 10  # rows per list in the printed report
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+_SHORT = MappingProxyType(
+    {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+)
 
 
 def typed(dtype: Any, shape: Sequence[int]) -> str:

@@ -19,6 +19,7 @@ value becomes NaN), so an overflow upstream still reaches the loss-scale check.
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -42,7 +43,7 @@ __all__ = [
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 _F32 = np.dtype("float32")
-_FLOAT8 = {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}
+_FLOAT8 = MappingProxyType({"float8_e4m3fn": E4M3, "float8_e5m2": E5M2})
 
 
 def _float8_dtype(value: Any, name: str) -> np.dtype:

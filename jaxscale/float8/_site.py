@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._jax_private import dot_dimension_numbers
+from jaxscale._scope import Scope
 from jaxscale.float8._recipes import (
     DelayedScaling,
     Recipe,
@@ -153,23 +154,19 @@ def _changed(expected: Sequence[str], seen: Sequence[str]) -> str:
     )
 
 
-# The innermost active delayed-scaling states, set by jxs.float8.value_and_grad
-# and jxs.float8.apply while they trace the function (trace time only).
-_STATES: list[Any] = []
+# The delayed-scaling context that jxs.float8.value_and_grad, apply and init put
+# in scope while they trace the function (trace time only, per thread).
+STATE_SCOPE = Scope("float8 state")
 
 
-@contextlib.contextmanager
-def using_state(state: Any) -> Iterator[None]:
-    _STATES.append(state)
-    try:
-        yield
-    finally:
-        _STATES.pop()
+def using_state(ctx: Context) -> Any:
+    """``ctx`` in scope for the autocast regions traced inside the block."""
+    return STATE_SCOPE.push(ctx)
 
 
-def current_context() -> Any:
-    """The :class:`~jaxscale.float8.Float8State` in scope, or ``None``."""
-    return _STATES[-1] if _STATES else None
+def current_context() -> Context | None:
+    """The float8 :class:`Context` in scope, or ``None``."""
+    return STATE_SCOPE.current()
 
 
 @contextlib.contextmanager
