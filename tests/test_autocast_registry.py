@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxscale as jxs
-from jaxscale._autocast import interp
+from jaxscale._autocast import classes, interp
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.rules import HIGHER_ORDER, AutocastRule, resolve_rules
 from jaxscale.diagnostics._census import INLINE_HANDLERS
@@ -31,15 +31,15 @@ WING = sorted(
 
 
 def test_every_rule_class_has_one_behaviour():
-    assert set(interp.RULE_CLASSES) == set(AutocastRule)
-    for rule, behaviour in interp.RULE_CLASSES.items():
-        assert isinstance(behaviour, interp.RuleClass), rule
+    assert set(classes.RULE_CLASSES) == set(AutocastRule)
+    for rule, behaviour in classes.RULE_CLASSES.items():
+        assert isinstance(behaviour, classes.RuleClass), rule
         with pytest.raises(AttributeError):  # stateless: no attributes at all
             behaviour.state = 1
 
 
 def test_the_table_uses_only_registered_classes():
-    assert set(resolve_rules(None).values()) <= set(interp.RULE_CLASSES)
+    assert set(resolve_rules(None).values()) <= set(classes.RULE_CLASSES)
 
 
 def test_the_interpreter_names_no_rule_class_in_its_loop():
@@ -77,7 +77,7 @@ def test_a_new_rule_class_is_one_object():
     """A class added through the registry alone runs, with its own emission:
     here every ``exp`` replaced by ``exp2(x * log2(e))`` in float32."""
 
-    class Exp2(interp.RuleClass):
+    class Exp2(classes.RuleClass):
         __slots__ = ()
 
         def cast_operands(self, it, eqn, vals, infos, traced):
@@ -86,9 +86,9 @@ def test_a_new_rule_class_is_one_object():
         def emit(self, it, eqn, params, vals):
             return [jax.lax.exp2(vals[0] * np.float32(np.log2(np.e)))]
 
-    classes = dict(interp.RULE_CLASSES, **{AutocastRule.FLOAT32: Exp2()})
+    registry = dict(classes.RULE_CLASSES, **{AutocastRule.FLOAT32: Exp2()})
     table = resolve_rules({"exp": "float32"})
-    it = interp.Interpreter(np.dtype("float16"), table, HANDLERS, classes)
+    it = interp.Interpreter(np.dtype("float16"), table, HANDLERS, registry)
     closed = jax.make_jaxpr(jnp.exp)(jnp.ones(3, jnp.float16))
     outs, _ = it.eval_closed(closed, [jnp.ones(3, jnp.float16)])
     assert outs[0].dtype == jnp.float32
@@ -219,6 +219,7 @@ FLOORS = [
     {"_jax_private"},
     {"_autocast", "_autocast.rules", "diagnostics._report_text", *OUTSIDE},
     {"_autocast.values"},
+    {"_autocast.classes"},
     {"_autocast.interp"},
     {"_autocast.hop"},
     {"_autocast.entry"},

@@ -9,21 +9,15 @@ constant, checked against the narrow dtype's range: :func:`const_fit`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax import lax
-from jax.extend import core as jcore
 
 from jaxscale._jax_private import (
-    combiner,
-    preferred_element_type,
     rebind,
-    trace,
-    with_combiner,
-    with_preferred_element_type,
 )
 
 __all__ = [
@@ -39,13 +33,10 @@ __all__ = [
     "const_values",
     "dtype_of",
     "floating",
-    "follow_operands",
     "fresh_info",
     "input_info",
     "is_castable",
-    "promote",
     "provenance",
-    "retype_combiner",
     "saturate",
     "size_of",
     "widest",
@@ -328,74 +319,3 @@ def provenance(
             )
         )
     return result
-
-
-# --------------------------------------------------------------------------- #
-# Parameters and promotion shared by the rule classes
-# --------------------------------------------------------------------------- #
-
-
-def follow_operands(
-    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
-) -> Mapping[str, Any]:
-    pref = preferred_element_type(params)
-    if pref is not None:
-        floats = [t for t in traced if floating(t)]
-        if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
-            new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
-            params = with_preferred_element_type(params, new[0])
-    return params
-
-
-def retype_combiner(
-    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
-) -> Mapping[str, Any]:
-    """scatter-add & co. carry their combiner typed at the traced dtype."""
-    update = combiner(params)
-    if update is None or dtype_of(vals[0]) == traced[0]:
-        return params
-    aval = jax.core.ShapedArray((), dtype_of(vals[0]))
-    new = trace(lambda a, b: jcore.jaxpr_as_fun(update)(a, b), [aval, aval])
-    return with_combiner(params, new)
-
-
-def promote(
-    it: Any,  # the interpreter: its ``cast`` and ``note``
-    eqn: Any,
-    vals: list[Any],
-    infos: list[Info],
-    traced: list[np.dtype],
-) -> list[Any]:
-    """Operands that were traced with one floating dtype (so the primitive needs
-    them equal) and now differ go to the widest; scalars decide only if all are
-    scalars (torch's rule for zero-dimensional tensors). A constant that would
-    not survive the narrowing (see :func:`const_fit`) widens the operation
-    instead, or, in a selection, saturates to the narrow dtype's range."""
-    groups: dict[np.dtype, list[int]] = {}
-    for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
-        if floating(dtype_of(v)) and floating(t):
-            groups.setdefault(np.dtype(t), []).append(i)
-    out = list(vals)
-    for idx in groups.values():
-        if len({dtype_of(vals[i]) for i in idx}) < 2:
-            continue
-        deciding = [i for i in idx if infos[i].src_rank > 0] or idx
-        target = widest([dtype_of(vals[i]) for i in deciding])
-        saturated: dict[int, Any] = {}
-        for i in idx:
-            misfit = const_misfit(vals[i], infos[i], target)
-            if misfit is None:
-                continue
-            why, text = misfit
-            if eqn.primitive.name in SELECTIONS and why == "inf":
-                it.note(f"constant {text}: saturated to the finite range")
-                src = dtype_of(vals[i])
-                saturated[i] = saturate(infos[i].const, src, target)
-            else:
-                it.note(f"constant {text}: runs in float32")
-                target = widest([dtype_of(vals[j]) for j in idx])
-                saturated = {}
-                break
-        for i in idx:
-            out[i] = saturated[i] if i in saturated else it.cast(vals[i], target)
-    return out

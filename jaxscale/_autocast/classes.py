@@ -1,0 +1,406 @@
+"""The rule classes of :func:`jaxscale.autocast`: what each
+:class:`~jaxscale.AutocastRule` member does to an equation.
+
+One object per member (:class:`RuleClass`: casts, parameters, emission,
+provenance), found through the registry :data:`RULE_CLASSES`; the interpreter
+(:mod:`jaxscale._autocast.interp`) knows no class by name. The behaviour several
+classes share lives here with them: torch's promotion of operands that must
+share a dtype (:func:`promote`, with the scalar and constant rules), a
+``preferred_element_type`` that follows the operands, a scatter's combiner
+re-typed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxscale._autocast.rules import AutocastRule
+from jaxscale._autocast.values import (
+    SELECTIONS,
+    Info,
+    bias_kind,
+    const_misfit,
+    dtype_of,
+    floating,
+    is_castable,
+    provenance,
+    saturate,
+    size_of,
+    widest,
+)
+from jaxscale._jax_private import (
+    bind,
+    combiner,
+    dot_dimension_numbers,
+    integer_pow_exponent,
+    preferred_element_type,
+    trace,
+    with_combiner,
+    with_preferred_element_type,
+)
+from jaxscale.float8._site import eligible, float8_dot, signature, sizes
+
+# The interpreter (``jaxscale._autocast.interp.Interpreter``) passes itself to
+# the rule classes as ``it``: its ``dtype``, ``cast``, ``note`` and ``float8``.
+Interpreter = Any
+
+__all__ = [
+    "RULE_CLASSES",
+    "Bias",
+    "Float8",
+    "Float32",
+    "Keep",
+    "Lookup",
+    "Lower",
+    "Promote",
+    "RuleClass",
+    "Traced",
+    "follow_operands",
+    "promote",
+    "retype_combiner",
+]
+
+_F32 = np.dtype("float32")
+Rule = AutocastRule
+
+
+# --------------------------------------------------------------------------- #
+# The rule classes: what each AutocastRule member does to an equation
+# --------------------------------------------------------------------------- #
+
+
+class RuleClass:
+    """The behaviour of one :class:`~jaxscale.AutocastRule` member.
+
+    The interpreter runs a first-order equation of the class in four steps, each
+    a method: :meth:`cast_operands` (the operands to bind and the dtype the
+    outputs are rounded to), :meth:`adjust_params` (``preferred_element_type``,
+    a scatter's combiner), :meth:`emit` (bind the primitive; a class may emit
+    several equations instead) and :meth:`out_infos` (the outputs' provenance).
+    :meth:`refine` may hand one equation to another class first.
+
+    Instances hold no state (``__slots__ = ()``); the interpreter ``it`` is
+    passed in for the autocast dtype (``it.dtype``), cached casts
+    (``it.cast(x, dtype)``) and the notes of the report (``it.note(text)``).
+    :data:`RULE_CLASSES` maps each member to its instance: a new class is a new
+    :class:`~jaxscale.AutocastRule` member, a subclass of this, and an entry there.
+    """
+
+    __slots__ = ()
+
+    def refine(self, eqn: Any) -> AutocastRule | None:
+        """The class that runs ``eqn`` instead of this one, or ``None``."""
+        return None
+
+    def cast_operands(
+        self,
+        it: Interpreter,
+        eqn: Any,
+        vals: list[Any],
+        infos: list[Info],
+        traced: list[np.dtype],
+    ) -> tuple[list[Any], np.dtype | None]:
+        """The operands to bind, and the dtype the outputs are rounded to (or
+        ``None``: as they come)."""
+        raise NotImplementedError
+
+    def adjust_params(
+        self, it: Interpreter, eqn: Any, vals: list[Any], traced: list[np.dtype]
+    ) -> Mapping[str, Any]:
+        """The equation's parameters for operands ``vals``: a
+        ``preferred_element_type`` that was the operands' dtype follows them."""
+        return retype_combiner(follow_operands(eqn.params, vals, traced), vals, traced)
+
+    def emit(
+        self, it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list[Any]
+    ) -> list[Any]:
+        """The equation's outputs: its primitive bound on ``vals``."""
+        return bind(eqn.primitive, params, vals)
+
+    def out_infos(
+        self, it: Interpreter, eqn: Any, infos: list[Info], outs: list[Any]
+    ) -> list[Info]:
+        """The provenance of the outputs (see :func:`provenance`)."""
+        return provenance(eqn, infos, outs)
+
+
+class Promote(RuleClass):
+    """``"promote"``: operands that must share a dtype go to the widest."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return promote(it, eqn, vals, infos, traced), None
+
+
+class Lower(RuleClass):
+    """``"lower"``: castable operands to the autocast dtype (float32 if a
+    constant would not survive it); the outputs are *lowered* (the bias rule)."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        target = it.dtype
+        for v, i in zip(vals, infos, strict=True):
+            misfit = const_misfit(v, i, target)
+            if misfit is not None:
+                it.note(f"constant {misfit[1]}: runs in float32")
+                target = _F32
+                break
+        vals = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
+        return promote(it, eqn, vals, infos, traced), None
+
+    def out_infos(self, it, eqn, infos, outs):
+        return [
+            info._replace(lowered=dtype_of(o) == it.dtype)
+            for info, o in zip(
+                provenance(eqn, infos, outs, elementwise=False), outs, strict=True
+            )
+        ]
+
+
+class Float32(RuleClass):
+    """``"float32"``: castable operands to float32."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        vals = [it.cast(v, _F32) if is_castable(dtype_of(v)) else v for v in vals]
+        return promote(it, eqn, vals, infos, traced), None
+
+
+class Bias(RuleClass):
+    """``"bias"``: ``"promote"``, except a bias or a normalisation applied to an
+    activation in the autocast dtype, which runs in that dtype."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        kind = bias_kind(it.dtype, eqn.primitive.name, vals, infos)
+        if kind == "bias":
+            return [it.cast(v, it.dtype) for v in vals], None
+        if kind == "norm":
+            it.note(
+                f"float32 statistic or parameter applied to a {it.dtype.name} "
+                f"activation: cast to {it.dtype.name}, saturating"
+            )
+            return [self.saturating_cast(it, v, it.dtype) for v in vals], None
+        return promote(it, eqn, vals, infos, traced), None
+
+    @staticmethod
+    def saturating_cast(it: Interpreter, x: Any, dtype: np.dtype) -> Any:
+        """``x`` in ``dtype``, its finite values clipped to ``dtype``'s finite
+        range (a statistic such as ``rsqrt(var + eps)`` may exceed float16's);
+        infinities and NaNs are kept."""
+        src = dtype_of(x)
+        if src == dtype or src.itemsize <= np.dtype(dtype).itemsize:
+            return it.cast(x, dtype)
+        fi = jax.numpy.finfo(dtype)
+        lo, hi = np.asarray(fi.min, src), np.asarray(fi.max, src)
+        if isinstance(x, np.ndarray | np.generic):
+            with np.errstate(all="ignore"):
+                return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
+        clipped = lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
+        return it.cast(clipped, dtype)
+
+
+class Keep(RuleClass):
+    """``"keep"``: nothing cast; ``x ** 2`` and negative integer powers are
+    ``"float32"`` (torch's ``pow``)."""
+
+    __slots__ = ()
+
+    def refine(self, eqn):
+        if eqn.primitive.name == "integer_pow":
+            y = integer_pow_exponent(eqn.params)
+            if y == 2 or y < 0:  # a square or a reciprocal: float32, as torch's pow
+                return Rule.FLOAT32
+        return None
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return vals, None
+
+
+class Lookup(RuleClass):
+    """``"lookup"``: ``"keep"``, except rows gathered from a wider parameter
+    table by an index array, which are rounded to the autocast dtype."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        table, index = vals[0], vals[1]
+        if (
+            is_castable(dtype_of(table))
+            and dtype_of(table).itemsize > it.dtype.itemsize
+            and infos[0].param
+            and np.ndim(table) >= 2
+            and size_of(index) > 1
+        ):
+            return vals, it.dtype
+        return vals, None
+
+
+class Traced(RuleClass):
+    """``"traced"``: floating operands back to their traced dtypes; the
+    parameters as traced."""
+
+    __slots__ = ()
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        return [
+            it.cast(v, t) if floating(dtype_of(v)) and floating(t) else v
+            for v, t in zip(vals, traced, strict=True)
+        ], None
+
+    def adjust_params(self, it, eqn, vals, traced):
+        return retype_combiner(eqn.params, vals, traced)
+
+
+class Float8(RuleClass):
+    """``"float8"``: a ``dot_general`` without batch dimensions and with every
+    size at least the recipe's ``min_dim`` runs as a float8 matmul (a *site*:
+    :func:`jaxscale.float8._site.float8_dot`); any other is ``"lower"``. The
+    operands are not cast first: each is quantised from its own dtype."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def is_site(it: Interpreter, eqn: Any, vals: list[Any]) -> bool:
+        ctx = it.float8
+        return (
+            ctx is not None
+            and not ctx.suspended
+            and eqn.primitive.name == "dot_general"
+            and len(vals) == 2
+            and all(is_castable(dtype_of(v)) for v in vals)
+            and eligible(
+                eqn.params,
+                np.shape(vals[0]),
+                np.shape(vals[1]),
+                ctx.recipe.min_dim if ctx.recipe is not None else 0,
+            )
+        )
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        if self.is_site(it, eqn, vals):
+            return vals, None
+        return _LOWER.cast_operands(it, eqn, vals, infos, traced)
+
+    def emit(self, it, eqn, params, vals):
+        if not self.is_site(it, eqn, vals):
+            ctx = it.float8
+            if ctx is not None and not ctx.suspended and len(vals) == 2:
+                mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
+                if mkn is not None:  # too small: 16 bits (a warning if all are)
+                    ctx.declined.append(mkn)
+            return bind(eqn.primitive, params, vals)
+        ctx = it.float8
+        where = str(eqn.source_info.name_stack)
+        site = ctx.next_site(signature(params, np.shape(vals[0]), where))
+        recipe = ctx.recipe
+        it.note(
+            f"float8 site {len(ctx.seen) - 1}: operands {recipe.fwd_dtype.name}, "
+            f"gradient {recipe.bwd_dtype.name}, "
+            f"{'delayed' if site is not None else 'current'} scaling"
+        )
+        dims = dot_dimension_numbers(params)
+        return [float8_dot(vals[0], vals[1], dims, it.dtype, recipe, site)]
+
+    def out_infos(self, it, eqn, infos, outs):
+        return _LOWER.out_infos(it, eqn, infos, outs)
+
+
+_LOWER = Lower()
+
+# The registry: one behaviour per AutocastRule member (tests pin that it covers
+# every member).
+RULE_CLASSES: Mapping[AutocastRule, RuleClass] = MappingProxyType(
+    {
+        Rule.LOWER: _LOWER,
+        Rule.FLOAT32: Float32(),
+        Rule.PROMOTE: Promote(),
+        Rule.BIAS: Bias(),
+        Rule.KEEP: Keep(),
+        Rule.LOOKUP: Lookup(),
+        Rule.TRACED: Traced(),
+        Rule.FLOAT8: Float8(),
+    }
+)
+
+
+# --------------------------------------------------------------------------- #
+# Promotion and parameters: the behaviour several rule classes share
+# --------------------------------------------------------------------------- #
+
+
+def follow_operands(
+    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
+) -> Mapping[str, Any]:
+    pref = preferred_element_type(params)
+    if pref is not None:
+        floats = [t for t in traced if floating(t)]
+        if floats and np.dtype(pref) == floats[0]:  # the default: follow inputs
+            new = [dtype_of(v) for v in vals if floating(dtype_of(v))]
+            params = with_preferred_element_type(params, new[0])
+    return params
+
+
+def retype_combiner(
+    params: Mapping[str, Any], vals: list[Any], traced: list[np.dtype]
+) -> Mapping[str, Any]:
+    """scatter-add & co. carry their combiner typed at the traced dtype."""
+    update = combiner(params)
+    if update is None or dtype_of(vals[0]) == traced[0]:
+        return params
+    aval = jax.core.ShapedArray((), dtype_of(vals[0]))
+    new = trace(lambda a, b: jcore.jaxpr_as_fun(update)(a, b), [aval, aval])
+    return with_combiner(params, new)
+
+
+def promote(
+    it: Any,  # the interpreter: its ``cast`` and ``note``
+    eqn: Any,
+    vals: list[Any],
+    infos: list[Info],
+    traced: list[np.dtype],
+) -> list[Any]:
+    """Operands that were traced with one floating dtype (so the primitive needs
+    them equal) and now differ go to the widest; scalars decide only if all are
+    scalars (torch's rule for zero-dimensional tensors). A constant that would
+    not survive the narrowing (see :func:`const_fit`) widens the operation
+    instead, or, in a selection, saturates to the narrow dtype's range."""
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (v, t) in enumerate(zip(vals, traced, strict=True)):
+        if floating(dtype_of(v)) and floating(t):
+            groups.setdefault(np.dtype(t), []).append(i)
+    out = list(vals)
+    for idx in groups.values():
+        if len({dtype_of(vals[i]) for i in idx}) < 2:
+            continue
+        deciding = [i for i in idx if infos[i].src_rank > 0] or idx
+        target = widest([dtype_of(vals[i]) for i in deciding])
+        saturated: dict[int, Any] = {}
+        for i in idx:
+            misfit = const_misfit(vals[i], infos[i], target)
+            if misfit is None:
+                continue
+            why, text = misfit
+            if eqn.primitive.name in SELECTIONS and why == "inf":
+                it.note(f"constant {text}: saturated to the finite range")
+                src = dtype_of(vals[i])
+                saturated[i] = saturate(infos[i].const, src, target)
+            else:
+                it.note(f"constant {text}: runs in float32")
+                target = widest([dtype_of(vals[j]) for j in idx])
+                saturated = {}
+                break
+        for i in idx:
+            out[i] = saturated[i] if i in saturated else it.cast(vals[i], target)
+    return out
