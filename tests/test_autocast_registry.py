@@ -2,6 +2,7 @@
 higher-order primitives listed once, and JAX's private API behind one module."""
 
 import ast
+import contextlib
 import pathlib
 import re
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jaxscale as jxs
 from jaxscale._autocast import classes, interp
@@ -235,3 +237,53 @@ def test_imports_flow_one_way(path):
     found, _ = _imports(path)
     modules = {n.module.removeprefix("jaxscale.") for n, _ in found}
     assert modules <= below, modules - below
+
+
+def test_the_handlers_know_no_extension_by_name():
+    """Higher-order handlers reach float8 (or any extension) only through the
+    interpreter's hooks: ``hop.py`` imports nothing of float8."""
+    source = (PACKAGE / "_autocast" / "hop.py").read_text()
+    found, _ = _imports(PACKAGE / "_autocast" / "hop.py")
+    assert not [n.module for n, _ in found if "float8" in n.module]
+    assert "it.float8" not in source
+
+
+def test_an_extension_defined_here_plugs_into_the_hooks():
+    """A toy extension, defined in this file alone, sees every hook: custom
+    rules run suspended, shard_map-like sub-computations opaque, and a scan
+    gets its extra per-iteration input in each trace of its body."""
+    events = []
+
+    class Counting(interp.Extension):
+        @contextlib.contextmanager
+        def suspended(self):
+            events.append("suspended")
+            yield
+
+        def loop(self, length):
+            class Steps(interp.Loop):
+                xs = (jnp.arange(length, dtype=jnp.float32),)
+
+                @contextlib.contextmanager
+                def body(self, extra):
+                    events.append(("body", tuple(e.shape for e in extra)))
+                    yield
+
+            events.append(("loop", length))
+            return Steps()
+
+    def fn(x):
+        y = jax.nn.relu(x @ x)  # relu is a custom_jvp
+        return lax.scan(lambda c, _: (jnp.tanh(c @ x), None), y, None, length=3)[0]
+
+    closed = jax.make_jaxpr(fn)(jnp.ones((4, 4)))
+    it = interp.Interpreter(
+        np.dtype("float16"),
+        resolve_rules(None),
+        HANDLERS,
+        extension=Counting(),
+    )
+    out = jax.jit(lambda x: it.eval_closed(closed, [x])[0][0])(jnp.ones((4, 4)))
+    np.testing.assert_allclose(out, fn(jnp.ones((4, 4))), rtol=1e-2)
+    assert "suspended" in events
+    assert ("loop", 3) in events and ("body", ((),)) in events

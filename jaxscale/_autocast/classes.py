@@ -276,7 +276,7 @@ class Float8(RuleClass):
         ctx = it.float8
         return (
             ctx is not None
-            and not ctx.suspended
+            and not ctx.paused
             and eqn.primitive.name == "dot_general"
             and len(vals) == 2
             and all(is_castable(dtype_of(v)) for v in vals)
@@ -296,7 +296,7 @@ class Float8(RuleClass):
     def emit(self, it, eqn, params, vals):
         if not self.is_site(it, eqn, vals):
             ctx = it.float8
-            if ctx is not None and not ctx.suspended and len(vals) == 2:
+            if ctx is not None and not ctx.paused and len(vals) == 2:
                 mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
                 if mkn is not None:  # too small: 16 bits (a warning if all are)
                     ctx.declined.append(mkn)

@@ -77,7 +77,6 @@ from jaxscale._jax_private import (
     trace,
     while_parts,
 )
-from jaxscale.float8._site import broadcast_max, suspended
 
 __all__ = ["HANDLERS", "generic"]
 
@@ -111,22 +110,11 @@ def _carry_dtypes(traced: Sequence[Any], init: Sequence[Any]) -> list[np.dtype]:
     return out
 
 
-def _threads_state(it: Interpreter) -> bool:
-    """Float8 sites read delayed-scaling state arrays (tracers of the caller)."""
-    return it.float8 is not None and it.float8.threads_state
-
-
-def _delayed(it: Interpreter) -> Any:
-    """The float8 context to suspend where delayed state cannot enter (a
-    sub-jaxpr whose schema has no place for it), else ``None``."""
-    return it.float8 if it.float8 is not None and it.float8.delayed else None
-
-
 def _jit(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
     body = jit_body(eqn)
     if body is None:
         return None
-    if _threads_state(it):  # inlined: its float8 sites read the caller's state
+    if it.ext.inline_calls:  # inlined: what it reads is the caller's
         return it.eval_closed(body, vals, infos)
     new, out_infos = _retrace(it, body, vals, infos)
     return rebind(eqn, vals, jaxpr=new), out_infos
@@ -163,31 +151,19 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
         for x, i in zip(xs, infos[nc + nk :], strict=True)
     ]
     body_infos = [*infos[:nc], *carry_infos, *x_infos]
-    ctx = it.float8
-    threads = _threads_state(it)
-    first = len(ctx.seen) if ctx is not None else 0
-    states = ctx.state[first:] if threads else []
-    # Delayed float8 state of the sites from here on, one copy per iteration:
-    # its transpose is a max over iterations (a site's amax over the loop).
-    per_iter = [broadcast_max(tuple(states), length)] if threads else []
+    loop = it.ext.loop(length)  # an extension's per-iteration inputs, if any
+    n_extra = len(loop.xs)
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        if ctx is not None:
-            ctx.restart_at(first)  # the body may be traced more than once
-        if threads:
-            *x, mine = x
-            saved, ctx.state = ctx.state, [*ctx.state[:first], *mine]
-        try:
+        x, extra = x[: len(x) - n_extra], x[len(x) - n_extra :]
+        with loop.body(extra):
             outs, _ = it.eval_closed(body, [*consts, *carry, *x], body_infos)
-        finally:
-            if threads:
-                ctx.state = saved
         return [cast(o, d) for o, d in zip(outs[:nk], dts, strict=True)], outs[nk:]
 
     carry, ys = lax.scan(
         step,
         [cast(v, d) for v, d in zip(init, dts, strict=True)],
-        [*xs, *per_iter],
+        [*xs, *loop.xs],
         length=length,
         reverse=parts.reverse,
         unroll=parts.unroll,
@@ -246,7 +222,7 @@ def _cond(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
     new = [trace(_cast_outs(b, dts), avals) for b in branches]
     if not any(b.consts for b in new):  # re-bound: every other parameter kept
         outs = rebind(eqn, vals, branches=tuple(new))
-    else:  # closes over values (delayed float8 state): a cond of its own
+    else:  # closes over values (an extension's state): a cond of its own
         outs = lax.switch(index, [jcore.jaxpr_as_fun(b) for b in new], *ops)
     return list(outs), _default_infos(outs)
 
@@ -283,12 +259,12 @@ def _custom_jvp(
     consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
 
     def impl(*xs: Any) -> list[Any]:
-        with suspended(it.float8):
+        with it.ext.suspended():
             return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         rule, out_zeros = parts.rule(len(xs))
-        with suspended(it.float8):
+        with it.ext.suspended():
             outs, _ = it.eval_closed(rule, [*xs, *ts], [*pinfos, *pinfos])
         n = len(out_zeros)
         ref = jax.eval_shape(impl, *xs)  # the primal function's output dtypes
@@ -318,12 +294,12 @@ def _custom_vjp(
     box: dict[str, Any] = {}
 
     def impl(*xs: Any) -> list[Any]:
-        with suspended(it.float8):
+        with it.ext.suspended():
             return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
 
     def fwd(*xs: Any) -> tuple[list[Any], list[Any]]:
         rule = parts.forward(len(xs))
-        with suspended(it.float8):
+        with it.ext.suspended():
             outs, _ = it.eval_closed(rule, xs, pinfos)
         n_out, forwards = parts.residuals()
         n_res = len(outs) - n_out
@@ -343,7 +319,7 @@ def _custom_vjp(
         closed = trace(
             lambda *args: parts.backward(args), [*box["res_avals"], *ct_avals]
         )
-        with suspended(it.float8):
+        with it.ext.suspended():
             outs, _ = it.eval_closed(closed, [*res, *cts])
         return tuple(
             cast(c, d) if jax.numpy.issubdtype(d, jax.numpy.inexact) else c
@@ -362,10 +338,9 @@ def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) ->
         return None
 
     def body(*xs: Any) -> tuple[Any, ...]:
-        # Delayed float8 state cannot enter a shard_map as a closure: its
-        # matmuls run in 16 bits then, when recording sites too (current
-        # scaling works per shard).
-        with suspended(_delayed(it)):
+        # Values an extension threads cannot enter a shard_map as a closure
+        # (float8's delayed state: its matmuls run in 16 bits there).
+        with it.ext.opaque():
             return tuple(it.eval_closed(parts.body, xs, infos)[0])
 
     fn = shard_map(
@@ -405,7 +380,7 @@ def generic(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Re
     for key, index, closed in subs:
 
         def fn(*xs: Any, closed: Any = closed) -> list[Any]:
-            with suspended(_delayed(it)):
+            with it.ext.opaque():
                 outs, _ = it.eval_closed(closed, xs)
             return [
                 cast(o, a.dtype) if is_castable(dtype_of(o)) else o

@@ -26,6 +26,7 @@ to handlers (:mod:`jaxscale._autocast.hop`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -51,10 +52,11 @@ from jaxscale._jax_private import (
     opaque_functions,
     subjaxprs,
 )
-from jaxscale.float8._site import Context
 
 __all__ = [
     "AutocastWarning",
+    "Extension",
+    "Loop",
     "Interpreter",
     "REGION_PREFIX",
     "Record",
@@ -84,6 +86,48 @@ class AutocastWarning(UserWarning):
       >>> issubclass(jxs.AutocastWarning, UserWarning)
       True
     """
+
+
+class Loop:
+    """What an extension adds to one ``scan`` (see :class:`Extension`): extra
+    per-iteration inputs ``xs`` (stacked on a leading axis of the loop's length),
+    and a scope around each trace of the body, given this iteration's slices of
+    them. The default adds nothing."""
+
+    xs: tuple[Any, ...] = ()
+
+    def body(self, extra: Sequence[Any]) -> Any:
+        return contextlib.nullcontext()
+
+
+class Extension:
+    """The hooks through which a rule that keeps trace-time state (float8's
+    sites and their delayed-scaling state) plugs into the interpreter; the
+    handlers of the higher-order constructs call them and know no such rule.
+    This default does nothing: an interpreter without an extension uses it.
+
+    - ``inline_calls``: a ``jit`` body is evaluated in place instead of
+      re-traced (its sites read the caller's values);
+    - ``suspended()``: a scope in which the extension stays off (a custom
+      derivative's rules, whose backward would not see it);
+    - ``opaque()``: a scope for a sub-computation whose schema has no place for
+      values the extension threads (``shard_map``, the schema-free rewrite);
+    - ``loop(length)``: a :class:`Loop` for one ``scan``.
+    """
+
+    inline_calls = False
+
+    def suspended(self) -> Any:
+        return contextlib.nullcontext()
+
+    def opaque(self) -> Any:
+        return contextlib.nullcontext()
+
+    def loop(self, length: int) -> Loop:
+        return Loop()
+
+
+NO_EXTENSION = Extension()
 
 
 class Unrewritable(Exception):  # noqa: N818 (a reason, not an error)
@@ -138,11 +182,14 @@ class Interpreter:
         table: Mapping[str, AutocastRule],
         handlers: Mapping[str, Callable[..., Any]],
         classes: Mapping[AutocastRule, RuleClass] = RULE_CLASSES,
-        float8: Context | None = None,
+        float8: Any = None,
+        extension: Extension | None = None,
     ):
         self.dtype = dtype
-        # The float8 context (recipe, sites, delayed-scaling state), or None.
+        # The float8 context (recipe, sites, delayed-scaling state), or None;
+        # the handlers reach it only through the extension hooks of ``ext``.
         self.float8 = float8
+        self.extension = extension
         self.table = table
         self.handlers = handlers
         self.classes = classes
@@ -152,6 +199,14 @@ class Interpreter:
         # Called with a Record after each first-order equation (the report).
         self.observer: Callable[[Record], None] | None = None
         self._notes: list[str] = []
+
+    @property
+    def ext(self) -> Any:
+        """The extension whose hooks the higher-order handlers call (see
+        :class:`Extension`): the one given, else the float8 context, else none."""
+        if self.extension is not None:
+            return self.extension
+        return self.float8 if self.float8 is not None else NO_EXTENSION
 
     def cast(self, x: Any, dtype: np.dtype) -> Any:
         if dtype_of(x) == dtype:

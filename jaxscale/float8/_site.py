@@ -61,7 +61,6 @@ __all__ = [
     "eligible",
     "float8_dot",
     "gemm_form",
-    "suspended",
 ]
 
 _F32 = np.dtype("float32")
@@ -104,7 +103,8 @@ class Context:
         self.seen: list[str] = []
         # (M, K, N) of dot_generals left in 16 bits for being below min_dim.
         self.declined: list[tuple[int, int, int]] = []
-        self.suspended = 0
+        # Scopes in which float8 is off (see :meth:`suspended`).
+        self.paused = 0
 
     @property
     def delayed(self) -> bool:
@@ -113,7 +113,36 @@ class Context:
     @property
     def threads_state(self) -> bool:
         """Sites read state arrays (delayed scaling, not recording)."""
-        return self.state is not None and not self.suspended
+        return self.state is not None and not self.paused
+
+    # -- the autocast interpreter's extension hooks ---------------------------
+
+    @property
+    def inline_calls(self) -> bool:
+        """A ``jit`` body is evaluated in place while sites read state arrays
+        (tracers of the caller, which a re-traced body could not close over)."""
+        return self.threads_state
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No float8 inside (custom-derivative rules written by the user: their
+        backward would not see the quantisation)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def opaque(self) -> Any:
+        """Delayed state cannot enter a sub-computation as a closure: float8 is
+        off there (current scaling works anywhere)."""
+        return self.suspended() if self.delayed else contextlib.nullcontext()
+
+    def loop(self, length: int) -> _Loop:
+        """A ``scan`` of ``length`` iterations: the state of the sites met from
+        here on enters once per iteration (its transpose, the new history, is a
+        max over iterations), and each trace of the body meets them afresh."""
+        return _Loop(self, length)
 
     def next_site(self, signature: str) -> SiteState | None:
         """Registers a site; its state (delayed scaling), else ``None``."""
@@ -169,18 +198,28 @@ def current_context() -> Context | None:
     return STATE_SCOPE.current()
 
 
-@contextlib.contextmanager
-def suspended(ctx: Context | None) -> Iterator[None]:
-    """No float8 inside (custom-derivative rules written by the user: their
-    backward would not see our quantisation)."""
-    if ctx is None:
-        yield
-        return
-    ctx.suspended += 1
-    try:
-        yield
-    finally:
-        ctx.suspended -= 1
+class _Loop:
+    """:meth:`Context.loop`: the per-iteration state of one ``scan``."""
+
+    def __init__(self, ctx: Context, length: int):
+        self.ctx, self.first = ctx, len(ctx.seen)
+        threads = ctx.threads_state
+        states = tuple(ctx.state[self.first :]) if threads else ()
+        self.xs = (broadcast_max(states, length),) if threads else ()
+
+    @contextlib.contextmanager
+    def body(self, extra: Sequence[Any]) -> Iterator[None]:
+        ctx = self.ctx
+        ctx.restart_at(self.first)  # the body may be traced more than once
+        if not extra:
+            yield
+            return
+        (mine,) = extra
+        saved, ctx.state = ctx.state, [*ctx.state[: self.first], *mine]
+        try:
+            yield
+        finally:
+            ctx.state = saved
 
 
 # --------------------------------------------------------------------------- #
