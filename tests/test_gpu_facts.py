@@ -112,7 +112,7 @@ def test_why_small_float8_dots_gave_inf_on_the_gpu():
     """The GPU run's ``jxs.float8.apply`` doctest (x = ones(4, 8), w = eye(8)):
     per-tensor scales put both operands at e4m3's maximum, 448, and
     448 * 448 = 200704 is above float16's 65504."""
-    from jaxscale.float8._recipes import quantize, scale_from_amax
+    from jaxscale.float8._numerics import quantize, scale_from_amax
 
     f8 = jnp.float8_e4m3fn
     x, w = jnp.ones((4, 8)), jnp.eye(8)

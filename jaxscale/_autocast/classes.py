@@ -38,31 +38,32 @@ from jaxscale._autocast.values import (
 from jaxscale._jax_private import (
     bind,
     combiner,
-    dot_dimension_numbers,
     integer_pow_exponent,
     preferred_element_type,
     trace,
     with_combiner,
     with_preferred_element_type,
 )
-from jaxscale.float8._site import eligible, float8_dot, signature, sizes
 
 # The interpreter (``jaxscale._autocast.interp.Interpreter``) passes itself to
-# the rule classes as ``it``: its ``dtype``, ``cast``, ``note`` and ``float8``.
+# the rule classes as ``it``: its ``dtype``, ``cast``, ``note`` and ``extension``.
 Interpreter = Any
 
 __all__ = [
     "RULE_CLASSES",
     "Bias",
-    "Float8",
     "Float32",
     "Keep",
     "Lookup",
     "Lower",
+    "PluginRule",
     "Promote",
     "RuleClass",
     "Traced",
+    "Unplugged",
     "follow_operands",
+    "plugin_classes",
+    "plugin_names",
     "promote",
     "retype_combiner",
 ]
@@ -263,58 +264,77 @@ class Traced(RuleClass):
         return retype_combiner(eqn.params, vals, traced)
 
 
-class Float8(RuleClass):
-    """``"float8"``: a ``dot_general`` without batch dimensions and with every
-    size at least the recipe's ``min_dim`` runs as a float8 matmul (a *site*:
-    :func:`jaxscale.float8._site.float8_dot`); any other is ``"lower"``. The
-    operands are not cast first: each is quantised from its own dtype."""
+class PluginRule(RuleClass):
+    """A rule class the caller passes in: ``jxs.autocast(f, float8=r)``, or
+    ``rules={"dot_general": r}``, of which ``float8=r`` is shorthand. It runs
+    in the table's ``"float8"`` slot (:attr:`~jaxscale.AutocastRule.FLOAT8`)
+    and, unlike the built-in classes, may hold configuration and keep
+    trace-time state for one autocast evaluation: :meth:`begin` returns the
+    :class:`~jaxscale._autocast.interp.Extension` whose hooks the higher-order
+    handlers call, and the class's methods find it as ``it.extension``. The
+    float8 recipes (:class:`jaxscale.float8.Recipe`) are such classes; the
+    autocast wing knows none of them by name.
+
+    A subclass lists in ``names`` the values of ``float8=`` that mean it with
+    its defaults (``True`` and ``"current"`` for current scaling).
+    """
 
     __slots__ = ()
 
-    @staticmethod
-    def is_site(it: Interpreter, eqn: Any, vals: list[Any]) -> bool:
-        ctx = it.float8
-        return (
-            ctx is not None
-            and not ctx.paused
-            and eqn.primitive.name == "dot_general"
-            and len(vals) == 2
-            and all(is_castable(dtype_of(v)) for v in vals)
-            and eligible(
-                eqn.params,
-                np.shape(vals[0]),
-                np.shape(vals[1]),
-                ctx.recipe.min_dim if ctx.recipe is not None else 0,
-            )
-        )
+    names: tuple[Any, ...] = ()
+
+    def check(self, dtype: np.dtype) -> None:
+        """Raises if this rule cannot run under autocast ``dtype``."""
+
+    def begin(self) -> Any:
+        """The extension for one autocast evaluation (``None``: the default,
+        which adds nothing)."""
+        return None
+
+    def end(self, extension: Any) -> None:
+        """Called after the evaluation that :meth:`begin` started."""
+
+    def for_report(self) -> PluginRule:
+        """The rule :func:`jaxscale.diagnostics.autocast_report` runs instead,
+        outside any train step (a rule that reads state runs without it)."""
+        return self
+
+
+class Unplugged(RuleClass):
+    """``"float8"`` with no rule object passed in: refused (``autocast``
+    raises before evaluation; this guards any other caller)."""
+
+    __slots__ = ()
 
     def cast_operands(self, it, eqn, vals, infos, traced):
-        if self.is_site(it, eqn, vals):
-            return vals, None
-        return _LOWER.cast_operands(it, eqn, vals, infos, traced)
-
-    def emit(self, it, eqn, params, vals):
-        if not self.is_site(it, eqn, vals):
-            ctx = it.float8
-            if ctx is not None and not ctx.paused and len(vals) == 2:
-                mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
-                if mkn is not None:  # too small: 16 bits (a warning if all are)
-                    ctx.declined.append(mkn)
-            return bind(eqn.primitive, params, vals)
-        ctx = it.float8
-        where = str(eqn.source_info.name_stack)
-        site = ctx.next_site(signature(params, np.shape(vals[0]), where))
-        recipe = ctx.recipe
-        it.note(
-            f"float8 site {len(ctx.seen) - 1}: operands {recipe.fwd_dtype.name}, "
-            f"gradient {recipe.bwd_dtype.name}, "
-            f"{'delayed' if site is not None else 'current'} scaling"
+        raise ValueError(
+            f"`rules`: {eqn.primitive.name} has the 'float8' rule but no rule "
+            "object was passed in (`float8=` of `jxs.autocast`)."
         )
-        dims = dot_dimension_numbers(params)
-        return [float8_dot(vals[0], vals[1], dims, it.dtype, recipe, site)]
 
-    def out_infos(self, it, eqn, infos, outs):
-        return _LOWER.out_infos(it, eqn, infos, outs)
+
+def plugin_classes() -> list[type[PluginRule]]:
+    """Every :class:`PluginRule` class with ``names`` of its own, among the
+    classes imported so far (definition order)."""
+    out, todo = [], list(PluginRule.__subclasses__())
+    while todo:
+        c = todo.pop(0)
+        todo.extend(c.__subclasses__())
+        if c.__dict__.get("names") and c not in out:
+            out.append(c)
+    return out
+
+
+def plugin_names(value: Any) -> list[type[PluginRule]]:
+    """The classes of :func:`plugin_classes` whose ``names`` hold ``value``
+    (``True`` matches only ``True``, a string only itself)."""
+
+    def means(name: Any) -> bool:
+        if isinstance(name, bool) or isinstance(value, bool):
+            return name is value
+        return isinstance(value, str) and name == value
+
+    return [c for c in plugin_classes() if any(means(n) for n in c.names)]
 
 
 _LOWER = Lower()
@@ -330,7 +350,7 @@ RULE_CLASSES: Mapping[AutocastRule, RuleClass] = MappingProxyType(
         Rule.KEEP: Keep(),
         Rule.LOOKUP: Lookup(),
         Rule.TRACED: Traced(),
-        Rule.FLOAT8: Float8(),
+        Rule.FLOAT8: Unplugged(),
     }
 )
 

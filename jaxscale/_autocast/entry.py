@@ -10,7 +10,6 @@ program holds only the casts, as if they were written by hand.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,17 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._autocast.classes import (
+    RULE_CLASSES,
+    PluginRule,
+    RuleClass,
+    plugin_classes,
+    plugin_names,
+)
 from jaxscale._autocast.hop import HANDLERS
-from jaxscale._autocast.interp import REGION_PREFIX, AutocastWarning, Interpreter
+from jaxscale._autocast.interp import REGION_PREFIX, Interpreter
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
 from jaxscale._autocast.values import cast, dtype_of, input_info, is_castable
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
-from jaxscale.float8._recipes import DelayedScaling, check_recipe
-from jaxscale.float8._site import Context, current_context
 
-__all__ = ["autocast", "check_dtype", "interpret", "names_dot"]
+__all__ = ["autocast", "check_dtype", "interpret", "names_dot", "plan"]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
 _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
@@ -161,10 +165,11 @@ def autocast(
         ``True`` or ``"current"`` for :class:`jaxscale.float8.CurrentScaling`
         (stateless); ``"delayed"`` for :class:`jaxscale.float8.DelayedScaling`
         (its state threaded by :func:`jaxscale.float8.value_and_grad`); or a
-        recipe. Every ``dot_general`` without batch dimensions whose sizes
-        reach the recipe's ``min_dim`` runs with float8 operands and per-tensor
-        scales, its output in ``dtype``; everything else follows the rules
-        above.
+        recipe (:class:`jaxscale.float8.Recipe`, yours included). Every
+        ``dot_general`` without batch dimensions whose sizes reach the recipe's
+        ``min_dim`` runs with float8 operands and per-tensor scales, its output
+        in ``dtype``; everything else follows the rules above. ``float8=r`` is
+        shorthand for ``rules={"dot_general": r}``.
 
     Returns:
       A function with ``fun``'s signature and output structure.
@@ -220,23 +225,7 @@ def autocast(
       >>> [s.dtype for s in scores(x, x)]
       [dtype('float32'), dtype('float16')]
     """
-    dt = check_dtype(dtype)
-    table = resolve_rules(rules)
-    recipe = check_recipe(float8)
-    if recipe is not None and dt == _F32:
-        raise ValueError(
-            "`float8` needs a 16-bit compute `dtype` (bfloat16 or float16): the "
-            "float8 products return it and everything else runs in it; float32 "
-            f"switches autocast off. Got dtype {dtype!r} with float8={float8!r}."
-        )
-    if recipe is not None and not (rules and names_dot(rules)):
-        table["dot_general"] = AutocastRule.FLOAT8
-    if recipe is None and AutocastRule.FLOAT8 in table.values():
-        raise ValueError(
-            "`rules`: the 'float8' rule needs a float8 recipe: pass "
-            "`float8=True` (current scaling), `float8='delayed'` or a "
-            "`jxs.float8` recipe as well."
-        )
+    dt, table, classes, plugin = plan(dtype, rules, float8)
     for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(
@@ -251,7 +240,7 @@ def autocast(
             rules=rules,
             enabled=enabled,
             cast_outputs=cast_outputs,
-            float8=recipe,
+            float8=plugin,
         )
     if not callable(fun):
         raise TypeError(
@@ -265,27 +254,89 @@ def autocast(
         if not enabled or dt == _F32:
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
-        ctx = _float8_context(recipe)
-        it = Interpreter(dt, table, HANDLERS, float8=ctx)
+        ext = plugin.begin() if plugin is not None else None
+        it = Interpreter(dt, table, HANDLERS, classes=classes, extension=ext)
         out = interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
-        if ctx is not None and not ctx.delayed and not ctx.seen and ctx.declined:
-            _warn_no_site(ctx)
+        if plugin is not None:
+            plugin.end(ext)
         return out
 
     return wrapper
 
 
-def _warn_no_site(ctx: Context) -> None:
-    m, k, n = max(ctx.declined, key=min)
-    warnings.warn(
-        "jxs.autocast(float8=...): nothing runs in float8: all "
-        f"{len(ctx.declined)} matmul(s) without batch dimensions have a size below "
-        f"the recipe's `min_dim` ({ctx.recipe.min_dim}; the largest is M={m}, "
-        f"K={k}, N={n}), so they run in 16 bits. Below that size float8 is slower "
-        "on a GPU (docs/float8.md); pass "
-        "`float8=jxs.float8.CurrentScaling(min_dim=0)` to use it anyway.",
-        AutocastWarning,
-        stacklevel=3,
+def plan(
+    dtype: Any, rules: Mapping[Any, Any] | None, float8: Any
+) -> tuple[np.dtype, dict[str, AutocastRule], Mapping[AutocastRule, RuleClass], Any]:
+    """``autocast``'s arguments checked and resolved: the dtype, the table, the
+    rule classes (with the rule object passed in, if any, in the ``"float8"``
+    slot) and that rule object (a :class:`PluginRule`, or ``None``)."""
+    dt = check_dtype(dtype)
+    plugin, rules = _plugin_of(float8, rules)
+    table = resolve_rules(rules)
+    if plugin is not None:
+        plugin.check(dt)
+        if not (rules and names_dot(rules)):
+            table["dot_general"] = AutocastRule.FLOAT8
+    elif AutocastRule.FLOAT8 in table.values():
+        raise ValueError(
+            "`rules`: the 'float8' rule needs a float8 recipe: pass "
+            "`float8=True` (current scaling), `float8='delayed'` or a "
+            "`jxs.float8` recipe as well."
+        )
+    if plugin is None:
+        return dt, table, RULE_CLASSES, None
+    return dt, table, {**RULE_CLASSES, AutocastRule.FLOAT8: plugin}, plugin
+
+
+def _plugin_of(
+    float8: Any, rules: Mapping[Any, Any] | None
+) -> tuple[Any, Mapping[Any, Any] | None]:
+    """The rule object of ``float8=`` or among the values of ``rules`` (where it
+    is replaced by the ``"float8"`` slot), or ``None``."""
+    plugin = _named(float8)
+    if not isinstance(rules, Mapping):
+        return plugin, rules
+    given = [v for v in rules.values() if isinstance(v, PluginRule)]
+    if not given:
+        return plugin, rules
+    distinct = [g for i, g in enumerate(given) if g not in given[:i]]
+    if len(distinct) > 1 or (plugin is not None and plugin != distinct[0]):
+        both = [*([plugin] if plugin is not None else []), *distinct]
+        raise ValueError(
+            "`rules` and `float8`: one autocast runs one rule object (a float8 "
+            f"recipe), got {len(both)} different: "
+            f"{', '.join(repr(b) for b in both)}. Pass one, as `float8=` or as "
+            "the value of `rules`."
+        )
+    slot = AutocastRule.FLOAT8
+    return distinct[0], {
+        k: (slot if isinstance(v, PluginRule) else v) for k, v in rules.items()
+    }
+
+
+def _named(value: Any) -> Any:
+    """``float8=``: ``None``/``False`` (off), a rule object, or a name a rule
+    class answers to (``True``, ``"current"``, ``"delayed"``): its defaults."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, PluginRule):
+        return value
+    found = plugin_names(value)
+    if len(found) == 1:
+        return found[0]()
+    if len(found) > 1:
+        raise ValueError(
+            f"`float8`: {value!r} names {len(found)} rule classes "
+            f"({', '.join(c.__qualname__ for c in found)}); pass a rule object."
+        )
+    named = ", ".join(
+        f"{' or '.join(repr(n) for n in c.names)} ({c.__name__})"
+        for c in plugin_classes()
+    )
+    raise TypeError(
+        f"`float8` must be None, {named}, or a rule object (a `jxs.float8` "
+        "recipe such as `jxs.float8.CurrentScaling(min_dim=0)`), got "
+        f"{type(value).__name__} {value!r}."
     )
 
 
@@ -294,36 +345,6 @@ def names_dot(rules: Mapping[Any, Any]) -> bool:
         (k if isinstance(k, str) else getattr(k, "name", None)) == "dot_general"
         for k in rules
     )
-
-
-def _float8_context(recipe: Any) -> Context | None:
-    """The float8 context of one autocast call: its own for current scaling;
-    for delayed scaling the one :func:`jaxscale.float8.value_and_grad`,
-    :func:`~jaxscale.float8.apply` or :func:`~jaxscale.float8.init` has put
-    in scope."""
-    if recipe is None:
-        return None
-    scope = current_context()
-    if not isinstance(recipe, DelayedScaling):
-        return Context(recipe)  # current scaling: no state, its own sites
-    if scope is None:
-        raise ValueError(
-            "`float8`: delayed scaling reads and updates a state of amax "
-            "histories, and none is in scope. Make one with "
-            "`state = jxs.float8.init(f, *args)` and call the function through "
-            "`jxs.float8.value_and_grad(f, state)(*args)` (training: returns the "
-            "new state) or `jxs.float8.apply(f, state)(*args)` (evaluation). "
-            "Or use `float8=True` (current scaling: no state)."
-        )
-    if scope.recipe is None:  # recording for init
-        scope.recipe = recipe
-    elif scope.recipe != recipe:
-        raise ValueError(
-            f"`float8`: this autocast's recipe {recipe!r} is not the one the state "
-            f"in scope was made for ({scope.recipe!r}). Make the state with "
-            "`jxs.float8.init` from the same function."
-        )
-    return scope
 
 
 def interpret(

@@ -101,8 +101,9 @@ class Loop:
 
 
 class Extension:
-    """The hooks through which a rule that keeps trace-time state (float8's
-    sites and their delayed-scaling state) plugs into the interpreter; the
+    """The hooks through which a rule that keeps trace-time state (a
+    :class:`~jaxscale._autocast.classes.PluginRule`, such as a float8 recipe
+    with its sites and delayed-scaling state) plugs into the interpreter; the
     handlers of the higher-order constructs call them and know no such rule.
     This default does nothing: an interpreter without an extension uses it.
 
@@ -182,13 +183,12 @@ class Interpreter:
         table: Mapping[str, AutocastRule],
         handlers: Mapping[str, Callable[..., Any]],
         classes: Mapping[AutocastRule, RuleClass] = RULE_CLASSES,
-        float8: Any = None,
         extension: Extension | None = None,
     ):
         self.dtype = dtype
-        # The float8 context (recipe, sites, delayed-scaling state), or None;
-        # the handlers reach it only through the extension hooks of ``ext``.
-        self.float8 = float8
+        # The trace-time state of a rule passed in (a float8 recipe's sites and
+        # delayed-scaling state; see ``PluginRule.begin``), or None. Its rule
+        # class reads it here; the handlers call its hooks through ``ext``.
         self.extension = extension
         self.table = table
         self.handlers = handlers
@@ -203,10 +203,8 @@ class Interpreter:
     @property
     def ext(self) -> Any:
         """The extension whose hooks the higher-order handlers call (see
-        :class:`Extension`): the one given, else the float8 context, else none."""
-        if self.extension is not None:
-            return self.extension
-        return self.float8 if self.float8 is not None else NO_EXTENSION
+        :class:`Extension`): the one given, else one that adds nothing."""
+        return self.extension if self.extension is not None else NO_EXTENSION
 
     def cast(self, x: Any, dtype: np.dtype) -> Any:
         if dtype_of(x) == dtype:

@@ -24,15 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast.entry import check_dtype, interpret, names_dot
+from jaxscale._autocast.entry import interpret, plan
 from jaxscale._autocast.hop import HANDLERS
-from jaxscale._autocast.rules import AutocastRule, resolve_rules
+from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import floating
 from jaxscale.diagnostics._census import INLINE_HANDLERS, Census, Compare, source_of
 from jaxscale.diagnostics._cotangents import as_pure
 from jaxscale.diagnostics._report_text import render
-from jaxscale.float8._recipes import CurrentScaling, DelayedScaling, check_recipe
-from jaxscale.float8._site import Context
 
 __all__ = ["AutocastReport", "AutocastSite", "autocast_report"]
 
@@ -389,18 +387,10 @@ def autocast_report(
             "`jxs.diagnostics.autocast_report(fun, dtype)(*args)` reports what "
             "`jxs.autocast(fun, dtype)(*args)` does."
         )
-    dt = check_dtype(dtype)
-    table = resolve_rules(rules)
-    recipe = check_recipe(float8)
-    if isinstance(recipe, DelayedScaling):  # no state here: current scaling
-        recipe = CurrentScaling(
-            fwd_dtype=recipe.fwd_dtype,
-            bwd_dtype=recipe.bwd_dtype,
-            margin=recipe.margin,
-            min_dim=recipe.min_dim,
-        )
-    if recipe is not None and not (rules and names_dot(rules)):
-        table["dot_general"] = AutocastRule.FLOAT8
+    dt, table, classes, plugin = plan(dtype, rules, float8)
+    if plugin is not None:  # outside a train step: no state (delayed: current)
+        plugin = plugin.for_report()
+        classes = {**classes, AutocastRule.FLOAT8: plugin}
     if not isinstance(compare, bool | np.bool_):
         raise TypeError(f"`compare` must be a Python bool, got {compare!r}.")
     if min_size is not None:
@@ -419,16 +409,16 @@ def autocast_report(
                 "pass arrays (not `jax.ShapeDtypeStruct`), and call its function "
                 "outside `jax.jit` and other transformations."
             )
-        census = Census(dt, table, HANDLERS)
-        census.float8 = Context(recipe) if recipe is not None else None
+        ext = plugin.begin() if plugin is not None else None
+        census = Census(dt, table, HANDLERS, classes=classes, extension=ext)
         pure, arrays = _abstract_pure(
             lambda *a, **kw: interpret(fun, census, a, kw), args, kwargs
         )
         jax.eval_shape(pure, arrays)
         deviation = None
         if compare:
-            it = Compare(dt, table, INLINE_HANDLERS)
-            it.float8 = Context(recipe) if recipe is not None else None
+            ext = plugin.begin() if plugin is not None else None
+            it = Compare(dt, table, INLINE_HANDLERS, classes=classes, extension=ext)
             pure, arrays = as_pure(
                 lambda *a, **kw: interpret(fun, it, a, kw), args, kwargs
             )

@@ -114,8 +114,8 @@ class _Walker(Interpreter):
     """An interpreter that knows which higher-order equations it is inside, so
     each equation of the function has one key however often it is traced."""
 
-    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any):
-        super().__init__(dtype, table, handlers)
+    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any, **kw):
+        super().__init__(dtype, table, handlers, **kw)  # classes=, extension=
         self.observer = self._observe
         self._frames: list[_Frame] = []
         self._calls: list[tuple[Any, list[Any], list[Info]]] = []
@@ -239,8 +239,8 @@ def _num_consts(eqn: Any) -> int:
 class Census(_Walker):
     """Records each equation once, with its source and island flag."""
 
-    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any):
-        super().__init__(dtype, table, handlers)
+    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any, **kw):
+        super().__init__(dtype, table, handlers, **kw)
         self.entries: dict[tuple[int, ...], dict[str, Any]] = {}
         # Higher-order equations whose float32 outputs came from low values.
         self.widened: dict[tuple[int, ...], dict[str, Any]] = {}
@@ -344,8 +344,8 @@ class Census(_Walker):
 class _Reference(_Walker):
     """The float32 run: keeps every value, by the variable it is bound to."""
 
-    def __init__(self, table: Mapping[str, Any], handlers: Any):
-        super().__init__(_F32, table, handlers)
+    def __init__(self, table: Mapping[str, Any], handlers: Any, **kw):
+        super().__init__(_F32, table, handlers, **kw)
         self.values: dict[tuple[Any, ...], Any] = {}
 
     def _keep(self, path: tuple, atoms: Sequence[Any], vals: Sequence[Any]) -> None:
@@ -372,9 +372,10 @@ class Compare(_Walker):
     """The autocast run, compared with a float32 run of the same jaxpr made just
     before it (the first ``eval_closed`` is the function's own jaxpr)."""
 
-    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any):
-        super().__init__(dtype, table, handlers)
-        self.reference = _Reference(table, handlers)
+    def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any, **kw):
+        super().__init__(dtype, table, handlers, **kw)
+        # float32 throughout: a rule passed in runs no site (it has no extension).
+        self.reference = _Reference(table, handlers, classes=self.classes)
         # The fields of an AutocastSite per operation.
         self.sites: dict[tuple[int, ...], dict[str, Any]] = {}
         self._started = False

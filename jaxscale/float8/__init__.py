@@ -1,8 +1,9 @@
 """Float8 matmuls with per-tensor scaling: ``jxs.float8``.
 
-The recipes and the state of :func:`jaxscale.autocast`'s ``float8=``
-argument, the numerics they are built from, and the check that a compiled
-step holds float8 GEMMs. ``docs/float8.md`` is the guide.
+The recipes of :func:`jaxscale.autocast`'s ``float8=`` argument (rule classes
+for ``dot_general`` that plug into autocast; :class:`Recipe` is their base),
+delayed scaling's state, the numerics they are built from, and the check that
+a compiled step holds float8 GEMMs. ``docs/float8.md`` is the guide.
 """
 
 from jaxscale.float8._api import Float8State as Float8State
@@ -11,17 +12,19 @@ from jaxscale.float8._api import init as init
 from jaxscale.float8._api import value_and_grad as value_and_grad
 from jaxscale.float8._check import Float8GemmReport as Float8GemmReport
 from jaxscale.float8._check import gemm_report as gemm_report
+from jaxscale.float8._numerics import dequantize as dequantize
+from jaxscale.float8._numerics import quantize as quantize
+from jaxscale.float8._numerics import scale_from_amax as scale_from_amax
 from jaxscale.float8._recipes import CurrentScaling as CurrentScaling
 from jaxscale.float8._recipes import DelayedScaling as DelayedScaling
-from jaxscale.float8._recipes import dequantize as dequantize
-from jaxscale.float8._recipes import quantize as quantize
-from jaxscale.float8._recipes import scale_from_amax as scale_from_amax
+from jaxscale.float8._recipes import Recipe as Recipe
 
 __all__ = [
     "CurrentScaling",
     "DelayedScaling",
     "Float8GemmReport",
     "Float8State",
+    "Recipe",
     "apply",
     "dequantize",
     "gemm_report",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxscale._grad import value_and_grad as _scaled_value_and_grad
 from jaxscale.float8._recipes import DelayedScaling
-from jaxscale.float8._site import Context, SiteState, decode, using_state
+from jaxscale.float8._site import Context, SiteState, using_state
 
 __all__ = ["Float8State", "apply", "init", "value_and_grad"]
 
@@ -270,7 +270,7 @@ def value_and_grad(
                 inner, loss_scale, has_aux=has_aux
             )(primal, *args[1:])
         new = [
-            decode(state.recipe, old, (h, s))
+            state.recipe.update(old, (h, s))
             for old, h, s in zip(state.site_states(), ct.history, ct.scale, strict=True)
         ]
         return (

@@ -1,49 +1,56 @@
-"""Float8 numerics: per-tensor scales, quantisation, the two scaling recipes.
+"""The float8 recipes: rule classes for ``dot_general`` that plug into
+:func:`jaxscale.autocast`.
 
-The ground floor of float8 under :func:`jaxscale.autocast`: pure functions of
-arrays and two frozen recipe classes, no tracing machinery. A tensor ``x`` is
-stored as ``q = x / scale`` in a float8 dtype and read back as ``q * scale``
-(the *dequantisation* convention; Transformer Engine stores the reciprocal,
-``x * scale`` before the cast, and calls ours ``scale_inv``).
-
-``scale`` is chosen so that the tensor's largest magnitude (its *amax*) lands on
-the float8 dtype's largest finite value: ``scale = amax / finfo(dtype).max``
-times ``2**margin``. An amax of 0 or one that is not finite keeps the previous
-scale (1 where there is none), as Transformer Engine's default scale update does.
-
-Quantisation saturates finite values at the dtype's finite range and keeps
-infinities and NaNs non-finite (``float8_e4m3fn`` has no infinity: an infinite
-value becomes NaN), so an overflow upstream still reaches the loss-scale check.
+A recipe is a :class:`~jaxscale._autocast.classes.PluginRule`: ``autocast(f,
+float8=r)`` is shorthand for ``autocast(f, rules={"dot_general": r})``. The
+base, :class:`Recipe`, decides which ``dot_general`` equations are float8
+*sites* and emits them (:func:`jaxscale.float8._site.float8_dot`); each
+recipe class carries the rest of its behaviour, one class per recipe (as
+Transformer Engine's ``*QuantizeConfig`` classes): how a tensor's scale is
+chosen (:meth:`Recipe.scale`), whether a state is read (``needs_state``), what
+the backward records in it (:meth:`Recipe.record`), how a loop's iterations
+combine (:meth:`Recipe.over_iterations`) and where the state of one autocast
+evaluation comes from (:meth:`Recipe.begin`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from jaxscale._autocast.classes import RULE_CLASSES, PluginRule
+from jaxscale._autocast.interp import AutocastWarning
+from jaxscale._autocast.rules import AutocastRule
+from jaxscale._autocast.values import dtype_of, is_castable
+from jaxscale._jax_private import bind, dot_dimension_numbers
+from jaxscale.float8._numerics import E4M3, E5M2, amax, scale_from_amax
+from jaxscale.float8._site import (
+    Context,
+    SiteState,
+    broadcast_max,
+    current_context,
+    eligible,
+    float8_dot,
+    signature,
+    sizes,
+)
 
 __all__ = [
-    "E4M3",
-    "E5M2",
     "CurrentScaling",
     "DelayedScaling",
     "Recipe",
-    "amax",
-    "check_recipe",
-    "dequantize",
-    "quantize",
-    "scale_from_amax",
 ]
 
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
 _F32 = np.dtype("float32")
 _FLOAT8 = MappingProxyType({"float8_e4m3fn": E4M3, "float8_e5m2": E5M2})
+_LOWER = RULE_CLASSES[AutocastRule.LOWER]
 
 
 def _float8_dtype(value: Any, name: str) -> np.dtype:
@@ -84,15 +91,61 @@ def _margin(value: Any) -> float:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _RecipeBase:
-    """Fields shared by both recipes (validated by :func:`check_recipe`)."""
+class Recipe(PluginRule):
+    """The base of the float8 recipes: a rule class for ``dot_general``.
+
+    Under ``jxs.autocast(f, dtype, float8=recipe)``, a ``dot_general`` without
+    batch dimensions whose contracting size and both free sizes reach
+    ``min_dim`` is a float8 *site*: its operands are quantised to
+    ``fwd_dtype`` with one scale each, its incoming gradient to ``bwd_dtype``,
+    and its three products run on float8 operands; any other ``dot_general``
+    runs in ``dtype`` (the ``"lower"`` rule). The operands are not cast
+    first: each is quantised from its own dtype.
+
+    A recipe is one subclass (frozen dataclass fields are its configuration)
+    that defines :meth:`scale`, and, if it keeps state across steps,
+    ``needs_state = True`` with :meth:`record`, :meth:`begin` and
+    :meth:`over_iterations`. :class:`CurrentScaling` and
+    :class:`DelayedScaling` are the two shipped.
+
+    Args:
+      fwd_dtype: the float8 dtype of the forward operands (float8_e4m3fn).
+      bwd_dtype: the float8 dtype of the gradient in the backward (float8_e5m2).
+      margin: scales are multiplied by ``2**margin`` (headroom: a positive
+        margin leaves room for values larger than the amax).
+      min_dim: a matmul runs in float8 only if its contracting size and both
+        output sizes are at least this (smaller products gain nothing from
+        float8 and lose accuracy; ``docs/float8.md`` gives the measurement).
+        0 puts every eligible matmul in float8.
+
+    Examples:
+      A recipe of your own: scales that are powers of two (exact to apply).
+
+      >>> import jaxscale as jxs
+      >>> import dataclasses, jax.numpy as jnp
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class PowerOfTwo(jxs.float8.Recipe):
+      ...     def scale(self, x, role, state):
+      ...         a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+      ...         top = float(jnp.finfo(self.dtype_of(role)).max)
+      ...         s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(a, 1e-30) / top)))
+      ...         return s, a
+      >>> f = jxs.autocast(lambda w, x: x @ w, jnp.bfloat16,
+      ...                  float8=PowerOfTwo(min_dim=0))
+      >>> y = f(jnp.ones((16, 16)), jnp.ones((8, 16)))
+      >>> y.dtype, float(y[0, 0])
+      (dtype('float32'), 16.0)
+    """
 
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
     margin: float = 0.0
     min_dim: int = 4096
 
-    def _validated(self) -> dict[str, Any]:
+    # Whether sites read a state threaded through the train step.
+    needs_state: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
         fwd = _float8_dtype(self.fwd_dtype, "fwd_dtype")
         bwd = _float8_dtype(self.bwd_dtype, "bwd_dtype")
         if fwd == E5M2:
@@ -102,16 +155,101 @@ class _RecipeBase:
                 "turns into a float8 GEMM (and Transformer Engine has no such "
                 "format). float8_e5m2 is for the gradient (`bwd_dtype`)."
             )
-        return dict(
-            fwd_dtype=fwd,
-            bwd_dtype=bwd,
-            margin=_margin(self.margin),
-            min_dim=_min_dim(self.min_dim),
+        for name, value in (
+            ("fwd_dtype", fwd),
+            ("bwd_dtype", bwd),
+            ("margin", _margin(self.margin)),
+            ("min_dim", _min_dim(self.min_dim)),
+        ):
+            object.__setattr__(self, name, value)
+
+    # -- numerics: what each recipe defines ----------------------------------
+
+    def dtype_of(self, role: int) -> np.dtype:
+        """The float8 dtype of a tensor of ``role``: 0 the left operand (the
+        activation of ``x @ w``), 1 the right operand (its weight), 2 the
+        incoming gradient."""
+        return self.bwd_dtype if role == 2 else self.fwd_dtype
+
+    def scale(self, x: jax.Array, role: int, state: tuple) -> tuple[Any, Any]:
+        """``(scale, amax)`` of tensor ``x`` of ``role`` (see :meth:`dtype_of`),
+        both ``f32[]``: ``x`` is quantised as ``x / scale``. ``state`` is the
+        site's state (``()`` when the recipe keeps none). Called at trace time,
+        inside the site's ``custom_vjp``; the results are constants to
+        differentiation."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no `scale(x, role, state)`: a "
+            "float8 recipe says how each tensor's scale is chosen."
         )
+
+    def record(self, state: tuple, amaxes: Sequence[Any]) -> tuple:
+        """The cotangent of the site's state, from the backward: the step's
+        ``amaxes`` (left, right, gradient) for a recipe that keeps state;
+        ``()`` for one that does not."""
+        return ()
+
+    def over_iterations(self, states: tuple, length: int) -> Any:
+        """The state a ``scan`` body of ``length`` iterations reads, per
+        iteration; its transpose combines the iterations' new states (the
+        maximum: the amax of a site run ``n`` times is the max of its ``n``
+        amaxes)."""
+        return broadcast_max(states, length)
+
+    # -- the autocast rule: which dot_generals are sites, and their emission --
+
+    def check(self, dtype: np.dtype) -> None:
+        if dtype == _F32:
+            raise ValueError(
+                "`float8` needs a 16-bit compute `dtype` (bfloat16 or float16): "
+                "the float8 products return it and everything else runs in it; "
+                f"float32 switches autocast off. Got dtype float32 with "
+                f"float8={self!r}."
+            )
+
+    def begin(self) -> Context:
+        """The trace-time context of one autocast evaluation: its own sites."""
+        return Context(self)
+
+    def _is_site(self, it: Any, eqn: Any, vals: list[Any]) -> bool:
+        ctx = it.extension
+        return (
+            ctx is not None
+            and not ctx.paused
+            and eqn.primitive.name == "dot_general"
+            and len(vals) == 2
+            and all(is_castable(dtype_of(v)) for v in vals)
+            and eligible(eqn.params, np.shape(vals[0]), np.shape(vals[1]), self.min_dim)
+        )
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        if self._is_site(it, eqn, vals):
+            return vals, None
+        return _LOWER.cast_operands(it, eqn, vals, infos, traced)
+
+    def emit(self, it, eqn, params, vals):
+        ctx = it.extension
+        if not self._is_site(it, eqn, vals):
+            if ctx is not None and not ctx.paused and len(vals) == 2:
+                mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
+                if mkn is not None:  # too small: 16 bits (a warning if all are)
+                    ctx.declined.append(mkn)
+            return bind(eqn.primitive, params, vals)
+        where = str(eqn.source_info.name_stack)
+        site = ctx.next_site(signature(params, np.shape(vals[0]), where))
+        it.note(
+            f"float8 site {len(ctx.seen) - 1}: operands {self.fwd_dtype.name}, "
+            f"gradient {self.bwd_dtype.name}, "
+            f"{'delayed' if site is not None else 'current'} scaling"
+        )
+        dims = dot_dimension_numbers(params)
+        return [float8_dot(vals[0], vals[1], dims, it.dtype, self, site)]
+
+    def out_infos(self, it, eqn, infos, outs):
+        return _LOWER.out_infos(it, eqn, infos, outs)
 
 
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling(_RecipeBase):
+class CurrentScaling(Recipe):
     """Float8 with current (just-in-time) per-tensor scaling: stateless.
 
     Each float8 matmul scales every operand by its own amax *in this step*:
@@ -123,14 +261,10 @@ class CurrentScaling(_RecipeBase):
     scaling) and the default of :func:`jaxscale.autocast`'s ``float8=``.
 
     Args:
-      fwd_dtype: the float8 dtype of the forward operands (e4m3fn).
-      bwd_dtype: the float8 dtype of the gradient in the backward (e5m2).
-      margin: scales are multiplied by ``2**margin`` (headroom: a positive
-        margin leaves room for values larger than the amax).
-      min_dim: a matmul runs in float8 only if its contracting size and both
-        output sizes are at least this (smaller products gain nothing from
-        float8 and lose accuracy; ``docs/float8.md`` gives the measurement).
-        0 puts every eligible matmul in float8.
+      fwd_dtype: as :class:`Recipe` (float8_e4m3fn).
+      bwd_dtype: as :class:`Recipe` (float8_e5m2).
+      margin: as :class:`Recipe`.
+      min_dim: as :class:`Recipe` (4096).
 
     Examples:
       >>> import jaxscale as jxs
@@ -139,13 +273,33 @@ class CurrentScaling(_RecipeBase):
       (dtype(float8_e4m3fn), dtype(float8_e5m2))
     """
 
-    def __post_init__(self) -> None:
-        for k, v in self._validated().items():
-            object.__setattr__(self, k, v)
+    names = (True, "current")
+
+    def scale(self, x, role, state):
+        a = amax(x)
+        return scale_from_amax(a, self.dtype_of(role), self.margin), a
+
+    def end(self, extension: Context) -> None:
+        """Warns when no matmul ran in float8 because all were below
+        ``min_dim``."""
+        ctx = extension
+        if ctx.seen or not ctx.declined:
+            return
+        m, k, n = max(ctx.declined, key=min)
+        warnings.warn(
+            "jxs.autocast(float8=...): nothing runs in float8: all "
+            f"{len(ctx.declined)} matmul(s) without batch dimensions have a size "
+            f"below the recipe's `min_dim` ({self.min_dim}; the largest is M={m}, "
+            f"K={k}, N={n}), so they run in 16 bits. Below that size float8 is "
+            "slower on a GPU (docs/float8.md); pass "
+            "`float8=jxs.float8.CurrentScaling(min_dim=0)` to use it anyway.",
+            AutocastWarning,
+            stacklevel=3,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling(_RecipeBase):
+class DelayedScaling(Recipe):
     """Float8 with delayed scaling: scales from an amax history (Transformer
     Engine's recipe).
 
@@ -173,100 +327,84 @@ class DelayedScaling(_RecipeBase):
 
     history_len: int = 1024
 
+    names = ("delayed",)
+    needs_state: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
-        for k, v in self._validated().items():
-            object.__setattr__(self, k, v)
+        super().__post_init__()
         h = self.history_len
         if isinstance(h, bool) or not isinstance(h, int | np.integer) or h < 1:
             raise ValueError(f"`history_len` must be an int >= 1, got {h!r}.")
         object.__setattr__(self, "history_len", int(h))
 
+    def scale(self, x, role, state):
+        """From the state; from the amax (as :class:`CurrentScaling`) while the
+        site's history holds no finite step (the first, or a float16 run whose
+        first steps overflowed), or no state is read (``jxs.float8.init``
+        recording the sites)."""
+        a = amax(x)
+        now = scale_from_amax(a, self.dtype_of(role), self.margin)
+        if not state:
+            return now, a
+        history, scale = state
+        h = history[role]
+        fresh = jnp.max(jnp.where(jnp.isfinite(h), h, 0.0)) <= 0
+        return jnp.where(fresh, now, scale[role]), a
 
-Recipe = CurrentScaling | DelayedScaling
+    def record(self, state, amaxes):
+        """The new history (this step's amaxes first), and ones in place of the
+        scales: the flag that the site ran (:meth:`update`)."""
+        if not state:
+            return ()
+        history, scale = state
+        new = jnp.roll(history, 1, axis=1).at[:, 0].set(jnp.stack(list(amaxes)))
+        return new, jnp.ones_like(scale)
 
+    def update(self, old: SiteState, ct: Any) -> SiteState:
+        """A site's new state from the cotangent its ``custom_vjp`` gave its
+        state (:meth:`record`); the old state where the site did not run."""
+        ct_history, ran = ct
+        ran = ran[0] > 0
+        history = jnp.where(ran, ct_history, old.history)
+        finite = jnp.where(jnp.isfinite(history), history, 0.0)
+        peak = jnp.max(finite, axis=1)
+        scale = jnp.stack(
+            [
+                scale_from_amax(peak[r], self.dtype_of(r), self.margin, old.scale[r])
+                for r in range(3)
+            ]
+        )
+        return SiteState(history, jnp.where(ran, scale, old.scale))
 
-def check_recipe(value: Any) -> Recipe | None:
-    """``autocast``'s ``float8=`` argument as a recipe (or ``None``: off)."""
-    if value is None or value is False:
-        return None
-    if value is True or value == "current":
-        return CurrentScaling()
-    if value == "delayed":
-        return DelayedScaling()
-    if isinstance(value, CurrentScaling | DelayedScaling):
-        return value
-    raise TypeError(
-        "`float8` must be None, True or 'current' (current scaling), 'delayed', "
-        "or a `jxs.float8.CurrentScaling` / `jxs.float8.DelayedScaling` recipe, "
-        f"got {type(value).__name__} {value!r}."
-    )
+    def begin(self) -> Context:
+        """The context that :func:`jaxscale.float8.value_and_grad`,
+        :func:`~jaxscale.float8.apply` or :func:`~jaxscale.float8.init` has
+        put in scope (its state, its sites)."""
+        scope = current_context()
+        if scope is None:
+            raise ValueError(
+                "`float8`: delayed scaling reads and updates a state of amax "
+                "histories, and none is in scope. Make one with "
+                "`state = jxs.float8.init(f, *args)` and call the function "
+                "through `jxs.float8.value_and_grad(f, state)(*args)` (training: "
+                "returns the new state) or `jxs.float8.apply(f, state)(*args)` "
+                "(evaluation). Or use `float8=True` (current scaling: no state)."
+            )
+        if scope.recipe is None:  # recording for init
+            scope.recipe = self
+        elif scope.recipe != self:
+            raise ValueError(
+                f"`float8`: this autocast's recipe {self!r} is not the one the "
+                f"state in scope was made for ({scope.recipe!r}). Make the state "
+                "with `jxs.float8.init` from the same function."
+            )
+        return scope
 
-
-def amax(x: jax.Array) -> jax.Array:
-    """``max(|x|)`` as ``f32[]``: inf if ``x`` holds an inf, else NaN if it holds
-    a NaN."""
-    a = jnp.max(jnp.abs(x)).astype(_F32)
-    # max() may drop a NaN on some backends: make it loud (an inf stays inf).
-    nan = jnp.isnan(jnp.sum(x.astype(_F32) * 0)) & ~jnp.isinf(a)
-    return jnp.where(nan, jnp.nan, a)
-
-
-def scale_from_amax(
-    amax_: jax.Array, dtype: Any, margin: float = 0.0, previous: Any = 1.0
-) -> jax.Array:
-    """The dequantisation scale that maps ``amax_`` onto ``dtype``'s largest
-    finite value, times ``2**margin``; ``previous`` where ``amax_`` is 0 or not
-    finite (Transformer Engine's rule).
-
-    Args:
-      amax_: ``f32[]``, or any shape (elementwise).
-      dtype: the float8 dtype.
-      margin: headroom exponent.
-      previous: the scale to keep when ``amax_`` is 0, inf or NaN.
-
-    Returns:
-      ``f32`` of ``amax_``'s shape, positive and finite.
-
-    Examples:
-      >>> import jaxscale as jxs, jax.numpy as jnp
-      >>> float(jxs.float8.scale_from_amax(jnp.float32(896.0), jnp.float8_e4m3fn))
-      2.0
-      >>> float(jxs.float8.scale_from_amax(jnp.float32(0.0), jnp.float8_e4m3fn))
-      1.0
-    """
-    fmax = float(jnp.finfo(dtype).max)
-    amax_ = jnp.asarray(amax_, _F32)
-    s = amax_ / np.float32(fmax) * np.float32(2.0**margin)
-    ok = (amax_ > 0) & jnp.isfinite(s) & (s > 0)
-    return jnp.where(ok, s, jnp.asarray(previous, _F32))
-
-
-def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x / scale`` in float8 ``dtype``: finite values saturate at its finite
-    range, infinities and NaNs stay non-finite (NaN in float8_e4m3fn).
-
-    Examples:
-      >>> import jaxscale as jxs, jax.numpy as jnp
-      >>> x = jnp.array([1.0, 1000.0, jnp.inf])
-      >>> jxs.float8.quantize(x, jnp.float32(1.0), jnp.float8_e4m3fn)
-      Array([1, 448, nan], dtype=float8_e4m3fn)
-    """
-    dtype = np.dtype(jnp.dtype(dtype))
-    fmax = np.float32(jnp.finfo(dtype).max)
-    x32 = x.astype(_F32)
-    y = x32 / scale.astype(_F32)
-    # Finite inputs saturate even where x / scale overflows float32.
-    y = lax.select(jnp.isfinite(x32), jnp.clip(y, -fmax, fmax), y)
-    return y.astype(dtype)
-
-
-def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = _F32) -> jax.Array:
-    """``q * scale`` in ``dtype`` (float32 by default).
-
-    Examples:
-      >>> import jaxscale as jxs, jax.numpy as jnp
-      >>> q = jnp.array([1.0, 2.0], jnp.float8_e4m3fn)
-      >>> jxs.float8.dequantize(q, jnp.float32(0.5))
-      Array([0.5, 1. ], dtype=float32)
-    """
-    return (q.astype(_F32) * scale.astype(_F32)).astype(dtype)
+    def for_report(self) -> CurrentScaling:
+        """Current scaling with the same fields (a report has no state)."""
+        return CurrentScaling(
+            fwd_dtype=self.fwd_dtype,
+            bwd_dtype=self.bwd_dtype,
+            margin=self.margin,
+            min_dim=self.min_dim,
+        )

@@ -21,7 +21,7 @@ gradient) enters the
 ``custom_vjp`` as an input. Its *cotangent* carries the site's new history, and
 ones in place of the scales as a flag that the site ran (an unused site, or one
 in an untaken ``cond`` branch, gets a zero cotangent and keeps its state);
-:func:`decode` turns the cotangent back into the new state. Inside a
+:meth:`DelayedScaling.update` turns the cotangent back into the new state. Inside a
 ``lax.scan`` the state enters as a per-iteration input broadcast by
 :func:`broadcast_max`, whose transpose takes the maximum over iterations
 instead of the sum (the amax of a site run ``n`` times is the max of its
@@ -43,13 +43,7 @@ from jax import lax
 
 from jaxscale._jax_private import dot_dimension_numbers
 from jaxscale._scope import Scope
-from jaxscale.float8._recipes import (
-    DelayedScaling,
-    Recipe,
-    amax,
-    quantize,
-    scale_from_amax,
-)
+from jaxscale.float8._numerics import quantize
 
 __all__ = [
     "SMALL_DOT",
@@ -57,10 +51,12 @@ __all__ = [
     "SiteState",
     "broadcast_max",
     "current_context",
-    "decode",
     "eligible",
     "float8_dot",
     "gemm_form",
+    "signature",
+    "sizes",
+    "using_state",
 ]
 
 _F32 = np.dtype("float32")
@@ -80,7 +76,9 @@ class SiteState(NamedTuple):
 
 
 class Context:
-    """The float8 side of :func:`jaxscale.autocast` evaluations.
+    """The float8 side of :func:`jaxscale.autocast` evaluations: the
+    :class:`~jaxscale._autocast.interp.Extension` a recipe's
+    :meth:`~jaxscale.float8.Recipe.begin` returns.
 
     ``recipe`` says how to scale (``None`` while recording sites for
     :func:`jaxscale.float8.init`, until an autocast sets it); ``state`` is
@@ -93,7 +91,7 @@ class Context:
 
     def __init__(
         self,
-        recipe: Recipe | None,
+        recipe: Any,
         state: Sequence[SiteState] | None = None,
         signatures: Sequence[str] | None = None,
     ):
@@ -108,7 +106,8 @@ class Context:
 
     @property
     def delayed(self) -> bool:
-        return isinstance(self.recipe, DelayedScaling)
+        """The recipe reads a state (delayed scaling)."""
+        return self.recipe is not None and self.recipe.needs_state
 
     @property
     def threads_state(self) -> bool:
@@ -205,7 +204,7 @@ class _Loop:
         self.ctx, self.first = ctx, len(ctx.seen)
         threads = ctx.threads_state
         states = tuple(ctx.state[self.first :]) if threads else ()
-        self.xs = (broadcast_max(states, length),) if threads else ()
+        self.xs = (ctx.recipe.over_iterations(states, length),) if threads else ()
 
     @contextlib.contextmanager
     def body(self, extra: Sequence[Any]) -> Iterator[None]:
@@ -267,7 +266,7 @@ def float8_dot(
     w: jax.Array,
     dimension_numbers: Any,
     out_dtype: np.dtype,
-    recipe: Recipe,
+    recipe: Any,
     site: SiteState | None,
 ) -> jax.Array:
     """``lax.dot_general(x, w, dimension_numbers)`` as a float8 matmul."""
@@ -284,25 +283,15 @@ def float8_dot(
 
 
 def _scales(
-    recipe: Recipe, state: tuple, tensors: Sequence[jax.Array], rows: Sequence[int]
+    recipe: Any, state: tuple, tensors: Sequence[jax.Array], roles: Sequence[int]
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Each tensor's scale and its amax: current scaling from the amax; delayed
-    from the state, or from the amax while the site's history is empty."""
-    dtypes = {0: recipe.fwd_dtype, 1: recipe.fwd_dtype, 2: recipe.bwd_dtype}
-    scales, amaxes = [], []
-    for t, r in zip(tensors, rows, strict=True):
-        a = amax(t)
-        now = scale_from_amax(a, dtypes[r], recipe.margin)
-        if state:
-            history, scale = state
-            # No finite step recorded yet (a non-finite first step, as a
-            # float16 run's first overflows, leaves the history empty too).
-            h = history[r]
-            fresh = jnp.max(jnp.where(jnp.isfinite(h), h, 0.0)) <= 0
-            now = jnp.where(fresh, now, scale[r])
-        scales.append(lax.stop_gradient(now))
-        amaxes.append(lax.stop_gradient(a))
-    return scales, amaxes
+    """Each tensor's scale and amax, by the recipe (:meth:`Recipe.scale`),
+    constants to differentiation."""
+    pairs = [recipe.scale(t, r, state) for t, r in zip(tensors, roles, strict=True)]
+    return (
+        [lax.stop_gradient(s) for s, _ in pairs],
+        [lax.stop_gradient(a) for _, a in pairs],
+    )
 
 
 # XLA:GPU gives a dot whose ``(M + N) * K`` is below its
@@ -353,32 +342,10 @@ def _bwd(key, res, g):
     qg = quantize(g, sg, recipe.bwd_dtype)
     dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # [M,N] x [K,N]^T
     dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # [M,K]^T x [M,N]
-    if not state:
-        return dx, dw, ()
-    history, scale = state
-    new = jnp.roll(history, 1, axis=1).at[:, 0].set(jnp.stack([ax, aw, ag]))
-    return dx, dw, (new, jnp.ones_like(scale))
+    return dx, dw, recipe.record(state, (ax, aw, ag))
 
 
 _f8_matmul.defvjp(_fwd, _bwd)
-
-
-def decode(recipe: DelayedScaling, old: SiteState, ct: Any) -> SiteState:
-    """A site's new state from the cotangent its ``custom_vjp`` gave its state
-    (see the module docstring); the old state where the site did not run."""
-    ct_history, ran = ct
-    ran = ran[0] > 0
-    history = jnp.where(ran, ct_history, old.history)
-    finite = jnp.where(jnp.isfinite(history), history, 0.0)
-    peak = jnp.max(finite, axis=1)
-    dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
-    scale = jnp.stack(
-        [
-            scale_from_amax(peak[r], dtypes[r], recipe.margin, old.scale[r])
-            for r in range(3)
-        ]
-    )
-    return SiteState(history, jnp.where(ran, scale, old.scale))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
