@@ -1,6 +1,6 @@
 """Temporary memory of the compiled gradient: `jxs.autocast` vs hand-cast float16.
 
-For three models the gradient of the loss is compiled three ways and XLA's
+For four models the gradient of the loss is compiled three ways and XLA's
 ``compiled.memory_analysis().temp_size_in_bytes`` is read for each:
 
 * ``fp32``: the model as written, float32 (for context);
@@ -19,6 +19,10 @@ Models:
   shape changes, residual adds, global average pool, dense head), batch 64 of
   32×32×3 images; the gradient's aux output is BatchNorm's updated
   ``batch_stats`` (``mutable=["batch_stats"]``);
+* ``resnet_sync``: the same ResNet with synchronised BatchNorm
+  (``axis_name="batch"``, as flax's ImageNet example), data-parallel over 4
+  replicas by ``jax.vmap(..., axis_name="batch")``: its statistics pass through
+  a cross-replica ``pmean``;
 * ``padded_lm``: the transformer of ``examples/padded_lm.py`` (Flax linen: token
   and learned position embeddings, pre-LayerNorm blocks with
   ``nn.MultiHeadDotProductAttention`` under a causal and padding mask, ReLU MLP),
@@ -69,7 +73,7 @@ import jaxscale as jxs
 
 F16, F32 = jnp.float16, jnp.float32
 TARGET = 1.00
-MODELS = ("resnet", "padded_lm", "char_transformer")
+MODELS = ("resnet", "resnet_sync", "padded_lm", "char_transformer")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # Sizes: full, and --quick (tiny, for the test suite).
@@ -78,6 +82,11 @@ SIZES = {
         "full": dict(stem=32, blocks=((32, 1), (32, 1), (64, 2), (128, 2)),
                      image=32, batch=64),
         "quick": dict(stem=4, blocks=((4, 1), (8, 2)), image=8, batch=4)},
+    "resnet_sync": {
+        "full": dict(stem=32, blocks=((32, 1), (32, 1), (64, 2), (128, 2)),
+                     image=32, batch=64, replicas=4),
+        "quick": dict(stem=4, blocks=((4, 1), (8, 2)), image=8, batch=4,
+                      replicas=2)},
     "padded_lm": {
         "full": dict(vocab=128, context=128, dim=128, heads=4, layers=2,
                      mlp_dim=512, batch=32),
@@ -117,12 +126,17 @@ class ResBlock(nn.Module):
     channels: int
     strides: int = 1
     dtype: Any = F32
+    axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         norm = functools.partial(
-            nn.BatchNorm, use_running_average=False, momentum=0.9, dtype=self.dtype
+            nn.BatchNorm,
+            use_running_average=False,
+            momentum=0.9,
+            dtype=self.dtype,
+            axis_name=self.axis_name,
         )
         y = nn.relu(norm()(conv(self.channels, (3, 3), self.strides)(x)))
         y = norm()(conv(self.channels, (3, 3))(y))
@@ -138,14 +152,20 @@ class ResNet(nn.Module):
     blocks: tuple[tuple[int, int], ...]
     classes: int = 10
     dtype: Any = F32
+    axis_name: str | None = None  # BatchNorm's statistics over these devices
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nn.Conv(self.stem, (3, 3), use_bias=False, dtype=self.dtype)(x)
-        x = nn.BatchNorm(use_running_average=False, momentum=0.9, dtype=self.dtype)(x)
+        x = nn.BatchNorm(
+            use_running_average=False,
+            momentum=0.9,
+            dtype=self.dtype,
+            axis_name=self.axis_name,
+        )(x)
         x = nn.relu(x)
         for channels, strides in self.blocks:
-            x = ResBlock(channels, strides, self.dtype)(x)
+            x = ResBlock(channels, strides, self.dtype, self.axis_name)(x)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.classes, dtype=self.dtype)(x)
 
@@ -170,6 +190,48 @@ def resnet_problem(size: dict):
         "fp32": plain,
         "hand": functools.partial(loss, nets[F16]),
         "autocast": jxs.autocast(plain),
+    }
+    args = (variables["params"], variables["batch_stats"], x, y)
+    return variants, True, args
+
+
+def resnet_sync_problem(size: dict):
+    """The ResNet with synchronised BatchNorm (``axis_name="batch"``, flax's
+    ImageNet example), data-parallel over ``replicas`` by ``jax.vmap`` with that
+    axis name (as ``pmap`` or ``shard_map`` would run it)."""
+    s, r = size["image"], size["replicas"]
+    x = jax.ShapeDtypeStruct((r, size["batch"] // r, s, s, 3), F32)
+    y = jax.ShapeDtypeStruct((r, size["batch"] // r), jnp.int32)
+    nets = {
+        dt: ResNet(size["stem"], size["blocks"], dtype=dt, axis_name="batch")
+        for dt in (F32, F16)
+    }
+    local = ResNet(size["stem"], size["blocks"])
+    one = jax.ShapeDtypeStruct(x.shape[1:], F32)
+    variables = jax.eval_shape(local.init, jax.random.key(0), one)
+
+    def loss(net, params, batch_stats, x, y):
+        logits, updates = net.apply(
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            mutable=["batch_stats"],
+        )
+        return _cross_entropy(logits.astype(F32), y), updates["batch_stats"]
+
+    def data_parallel(per_replica):
+        def run(params, batch_stats, x, y):
+            losses, stats = jax.vmap(
+                per_replica, in_axes=(None, None, 0, 0), axis_name="batch"
+            )(params, batch_stats, x, y)
+            return jnp.mean(losses), jax.tree.map(lambda a: a[0], stats)
+
+        return run
+
+    plain = functools.partial(loss, nets[F32])
+    variants = {
+        "fp32": data_parallel(plain),
+        "hand": data_parallel(functools.partial(loss, nets[F16])),
+        "autocast": data_parallel(jxs.autocast(plain)),
     }
     args = (variables["params"], variables["batch_stats"], x, y)
     return variants, True, args
@@ -221,6 +283,7 @@ def char_transformer_problem(size: dict):
 
 PROBLEMS = {
     "resnet": resnet_problem,
+    "resnet_sync": resnet_sync_problem,
     "padded_lm": padded_lm_problem,
     "char_transformer": char_transformer_problem,
 }

@@ -17,7 +17,7 @@ from helpers import all_eqns
 
 import jaxscale as jxs
 
-pytestmark = [pytest.mark.construct, pytest.mark.unit]
+pytestmark = [pytest.mark.unit, pytest.mark.construct]
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16 = np.dtype(jnp.bfloat16)

@@ -240,7 +240,21 @@ REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_sum"}
 # What a statistic may go through and stay one: the arithmetic of a mean, a
 # variance and its inverse square root, views and casts. Not logarithms or
 # exponentials: ``x - logsumexp(x)`` (log-softmax) is not a normalisation.
-_STAT_OPS = _SAME_SOURCE | {
+# Collectives a statistic passes through and stays one: a BatchNorm synchronised
+# across devices (flax and equinox ``axis_name=``) reduces its per-device means
+# with ``pmean`` (``psum``, then a division), often stacked into one operand.
+_COLLECTIVES = frozenset(
+    {"all_gather", "all_gather_invariant", "all_to_all", "pbroadcast", "pmax"}
+    | {"pmin", "ppermute", "psum", "psum_invariant", "pvary", "reduce_scatter"}
+    | {"unreduced_psum", "unreduced_pmax", "unreduced_pmin"}
+)
+_STAT_OPS = _SAME_SOURCE | _COLLECTIVES | {
+    "concatenate",
+    "dynamic_slice",
+    "slice",
+    "split",
+    "stack",
+    "unstack",
     "abs",
     "add",
     "div",
