@@ -27,6 +27,7 @@ WING = sorted(
         *(PACKAGE / "_autocast").glob("*.py"),
         *(PACKAGE / "diagnostics").glob("_autocast_report.py"),
         *(PACKAGE / "diagnostics").glob("_census.py"),
+        *(PACKAGE / "diagnostics").glob("_islands.py"),
         *(PACKAGE / "diagnostics").glob("_report_text.py"),
     ]
 )
@@ -218,8 +219,8 @@ OUTSIDE = {
 FLOORS = [
     {"_jax_private"},
     {"_autocast", "_autocast.rules", "diagnostics._report_text", *OUTSIDE},
-    {"_autocast.values"},
-    {"_autocast.classes"},
+    {"_autocast.values", "_autocast.lookahead"},
+    {"_autocast.classes", "diagnostics._islands"},
     {"_autocast.interp"},
     {"_autocast.hop"},
     {"_autocast.entry"},

@@ -156,10 +156,32 @@ class Attention(nn.Module):
         return nn.MultiHeadDotProductAttention(num_heads=2)(x, x, mask=mask)
 
 
-def test_flax_attention_mask_constant_is_saturated():
+def test_flax_attention_masks_float32_scores_without_saturating():
+    """Flax's attention scores go to a softmax: they come out of their matmul in
+    float32 (the widening rule), so its ``finfo(float32).min`` mask applies in
+    float32 and no constant needs saturating."""
     tok = jnp.array([[3, 1, 4, 0, 0], [5, 9, 2, 6, 0]], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (2, 5, 16))
     model = Attention()
+    variables = jax.eval_shape(model.init, jax.random.key(1), x, tok)
+    report = autocast_report(model.apply)(variables, x, tok)
+    assert report.constants == ()
+    assert report.islands == ()
+    assert dict(report.by_primitive["select_n"]) == {"float32": 1}
+
+
+class MaskedPool(nn.Module):
+    @nn.compact
+    def __call__(self, x, tok):
+        h = nn.Dense(16)(x)
+        h = jnp.where((tok > 0)[..., None], h, jnp.finfo(jnp.float32).min)
+        return nn.Dense(4)(h.max(axis=1))
+
+
+def test_a_mask_on_a_float16_activation_is_saturated():
+    tok = jnp.array([[3, 1, 4, 0, 0], [5, 9, 2, 6, 0]], jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    model = MaskedPool()
     variables = jax.eval_shape(model.init, jax.random.key(1), x, tok)
     report = autocast_report(model.apply)(variables, x, tok)
     (site,) = report.constants
@@ -168,9 +190,9 @@ def test_flax_attention_mask_constant_is_saturated():
         "finite range"
     )
     assert site.primitive == "select_n"
-    assert site.source == "Attention/MultiHeadDotProductAttention_0"
-    assert site.location.startswith("flax/linen/attention.py:")
-    assert (site.shape, site.dtype) == ((2, 2, 5, 5), "float16")
+    assert site.source == "MaskedPool"
+    assert re.fullmatch(rf".*{HERE}:\d+", site.location), site
+    assert (site.shape, site.dtype) == ((2, 5, 16), "float16")
     assert "saturated to the finite range" in str(report)
     # finfo(float32).min is beyond bfloat16's range too (by 0.4%).
     (site,) = autocast_report(model.apply, "bf16")(variables, x, tok).constants
@@ -310,7 +332,8 @@ def test_abstract_arguments_and_nnx_modules_untouched():
 
 def test_compare_ranks_an_overflowing_matmul_first():
     def f(w, x):
-        return jnp.mean(jnp.exp(1e-4 * (x @ w)))
+        y = x @ w  # also used by a matmul: not widened, so float16
+        return jnp.mean(jnp.exp(1e-4 * y)), y @ w
 
     w, x = jnp.full((4, 4), 200.0), jnp.full((2, 4), 100.0)  # x @ w = 80000
     report = autocast_report(f, compare=True)(w, x)
@@ -437,6 +460,48 @@ def test_report_of_a_gradient_names_forward_and_backward():
 
     grad = jax.grad(jxs_autocast(loss))
     report = autocast_report(grad)(MLP_PARAMS, jnp.ones((2, 4)))
-    assert dict(report.by_primitive["dot_general"]) == {"float16": 2 + 3}
+    # The last layer's product feeds the softmax: it comes out in float32 from a
+    # custom_jvp whose backward is float16 (the widening rule).
+    assert dict(report.by_primitive["dot_general"]) == {"float16": 1 + 3}
+    assert dict(report.by_primitive["custom_jvp_call"]) == {"float16": 2}
     assert {"jvp(mlp)", "transpose(jvp(mlp))"} <= set(report.by_source)
     assert report.islands == report.constants == report.norms == ()
+
+
+def test_island_notes_say_what_widened_the_activation():
+    """The first operation of an island names its float32 operand by what it
+    is: a table computed in float32 and broadcast (RoPE's cos), a loop carry
+    kept at its traced float32, a float32 input."""
+
+    def rope(w, x):
+        h = x @ w
+        t = jnp.arange(8.0)[:, None] * jnp.arange(16.0)[None, :]
+        return (h * jnp.cos(t)[None]) @ w
+
+    (first, *_) = autocast_report(rope)(
+        jnp.ones((16, 16)), jnp.ones((4, 8, 16))
+    ).islands
+    assert first.primitive == "mul"
+    assert first.note == (
+        "float16 widened by f32[1,8,16], a float32 value broadcast to its shape "
+        "(a RoPE table, a mask or bias computed in float32)"
+    )
+
+    def scanned(w, x):
+        def body(c, _):
+            return c + jnp.tanh(c @ w), None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    (first, *_) = autocast_report(scanned)(
+        jnp.ones((16, 16)), jnp.ones((4, 16))
+    ).islands
+    assert first.primitive == "add"
+    assert first.note.endswith("a loop carry kept at its traced float32"), first
+
+    def residual(w, x, r):
+        return jax.nn.relu(x @ w + r) @ w
+
+    args = jnp.ones((16, 16)), jnp.ones((4, 16)), jnp.ones((4, 16))
+    (first, *_) = autocast_report(residual)(*args).islands
+    assert first.note == "float16 widened by f32[4,16], a float32 parameter or input"

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jcore
 
 from jaxscale._autocast.rules import AutocastRule
@@ -60,12 +61,14 @@ __all__ = [
     "Promote",
     "RuleClass",
     "Traced",
+    "WIDE_NOTE",
     "Unplugged",
     "follow_operands",
     "plugin_classes",
     "plugin_names",
     "promote",
     "retype_combiner",
+    "wide_product",
 ]
 
 _F32 = np.dtype("float32")
@@ -143,7 +146,11 @@ class Promote(RuleClass):
 
 class Lower(RuleClass):
     """``"lower"``: castable operands to the autocast dtype (float32 if a
-    constant would not survive it); the outputs are *lowered* (the bias rule)."""
+    constant would not survive it); the outputs are *lowered* (the bias rule).
+    A ``dot_general`` whose result is widened to float32 anyway (attention
+    scores on their way to a softmax: :mod:`jaxscale._autocast.lookahead`)
+    accumulates and comes out in float32, its backward in the autocast dtype
+    as before (:func:`wide_product`)."""
 
     __slots__ = ()
 
@@ -158,6 +165,18 @@ class Lower(RuleClass):
         vals = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
         return promote(it, eqn, vals, infos, traced), None
 
+    def adjust_params(self, it, eqn, vals, traced):
+        params = super().adjust_params(it, eqn, vals, traced)
+        if _widens(it, eqn, params, vals):
+            params = with_preferred_element_type(params, _F32)
+        return params
+
+    def emit(self, it, eqn, params, vals):
+        if _widens(it, eqn, params, vals):
+            it.note(WIDE_NOTE)
+            return [wide_product(eqn.primitive, params, vals[0], vals[1])]
+        return bind(eqn.primitive, params, vals)
+
     def out_infos(self, it, eqn, infos, outs):
         return [
             info._replace(lowered=dtype_of(o) == it.dtype)
@@ -165,6 +184,49 @@ class Lower(RuleClass):
                 provenance(eqn, infos, outs, elementwise=False), outs, strict=True
             )
         ]
+
+
+# The note of a product that comes out in float32 by the widening rule (the
+# report counts it as float32 work, not as an island).
+WIDE_NOTE = "float32 output: what uses it widens it to float32 anyway"
+
+
+def _widens(it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list) -> bool:
+    """A ``dot_general`` on two operands in the autocast dtype whose result the
+    function widens to float32 anyway."""
+    return (
+        eqn.primitive.name == "dot_general"
+        and it.dtype != _F32
+        and len(vals) == 2
+        and all(dtype_of(v) == it.dtype for v in vals)
+        and preferred_element_type(params) is not None
+        and it.widens(eqn)
+    )
+
+
+def wide_product(primitive: Any, params: Mapping[str, Any], x: Any, w: Any) -> Any:
+    """``dot_general(x, w)`` accumulated and returned in float32 (``params``
+    say so); its derivative is the product in ``x``'s dtype, widened, so the
+    backward's products take and give the autocast dtype, as for any matmul
+    whose float32 result comes from a cast."""
+    low = with_preferred_element_type(params, dtype_of(x))
+
+    @jax.custom_jvp
+    def product(x: Any, w: Any) -> Any:
+        return bind(primitive, params, [x, w])[0]
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        (x, w), (dx, dw) = primals, tangents
+        terms = []
+        if not isinstance(dx, SymbolicZero):
+            terms.append(bind(primitive, low, [dx, w])[0])
+        if not isinstance(dw, SymbolicZero):
+            terms.append(bind(primitive, low, [x, dw])[0])
+        t = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        return product(x, w), t.astype(_F32)
+
+    product.defjvp(jvp, symbolic_zeros=True)
+    return product(x, w)
 
 
 class Float32(RuleClass):

@@ -36,6 +36,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxscale._autocast.classes import RULE_CLASSES, RuleClass
+from jaxscale._autocast.lookahead import widened
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
     Info,
@@ -131,6 +132,10 @@ class Extension:
 NO_EXTENSION = Extension()
 
 
+# Constructs whose body takes the equation's inputs and gives its outputs.
+_CALLS = frozenset({"call", "custom_jvp", "custom_vjp", "jit", "remat"})
+
+
 class Unrewritable(Exception):  # noqa: N818 (a reason, not an error)
     """Raised by a higher-order handler that cannot rewrite its equation, with
     the reason (the equation then runs as traced, with an AutocastWarning)."""
@@ -199,6 +204,12 @@ class Interpreter:
         # Called with a Record after each first-order equation (the report).
         self.observer: Callable[[Record], None] | None = None
         self._notes: list[str] = []
+        # The look-ahead (lookahead.widened): the variables of the jaxpr being
+        # evaluated that widen to float32 anyway, per (jaxpr, outer) evaluated,
+        # and which outputs of the call being entered widen in its caller.
+        self._widening: frozenset[Any] = frozenset()
+        self._lookahead: dict[tuple[Any, tuple[bool, ...]], frozenset[Any]] = {}
+        self._outer: tuple[bool, ...] | None = None
 
     @property
     def ext(self) -> Any:
@@ -238,6 +249,14 @@ class Interpreter:
             infos = [input_info(a) for a in args]
         for var, a, i in zip(jaxpr.invars, args, infos, strict=True):
             env[var] = (a, i)
+        outer = self._outer
+        self._outer = None
+        if outer is None or len(outer) != len(jaxpr.outvars):
+            outer = (False,) * len(jaxpr.outvars)
+        key = (jaxpr, outer)
+        if key not in self._lookahead:
+            self._lookahead[key] = widened(jaxpr, self.table, outer)
+        saved_wide, self._widening = self._widening, self._lookahead[key]
 
         def read(atom: Any) -> tuple[Any, Info]:
             if isinstance(atom, jcore.Literal):
@@ -247,16 +266,24 @@ class Interpreter:
                 return val, const_info(val, param=False)
             return env[atom]
 
-        for eqn in jaxpr.eqns:
-            pairs = [read(v) for v in eqn.invars]
-            vals = [p[0] for p in pairs]
-            in_infos = [p[1] for p in pairs]
-            with eqn_context(eqn):
-                outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
-            for var, o, i in zip(eqn.outvars, outs, out_infos, strict=True):
-                env[var] = (o, i)
+        try:
+            for eqn in jaxpr.eqns:
+                pairs = [read(v) for v in eqn.invars]
+                vals = [p[0] for p in pairs]
+                in_infos = [p[1] for p in pairs]
+                with eqn_context(eqn):
+                    outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
+                for var, o, i in zip(eqn.outvars, outs, out_infos, strict=True):
+                    env[var] = (o, i)
+        finally:
+            self._widening = saved_wide
         results = [read(v) for v in jaxpr.outvars]
         return [r[0] for r in results], [r[1] for r in results]
+
+    def widens(self, eqn: Any) -> bool:
+        """Whether ``eqn``'s first output is widened to float32 anyway by what
+        uses it (:func:`jaxscale._autocast.lookahead.widened`)."""
+        return bool(eqn.outvars) and eqn.outvars[0] in self._widening
 
     def eval_jaxpr(
         self,
@@ -339,6 +366,8 @@ class Interpreter:
         why) if it must run as traced."""
         construct = construct_of(eqn.primitive)
         handler = self.handlers.get(construct) if construct is not None else None
+        if construct in _CALLS:  # its body's outputs are its outputs
+            self._outer = tuple(v in self._widening for v in eqn.outvars)
         try:
             result = handler(self, eqn, vals, infos) if handler else None
             if result is None:
@@ -347,6 +376,8 @@ class Interpreter:
             known = "its parameters are not the ones this version expects, and "
             self.warn(eqn.primitive.name, (known if handler else "") + str(e))
             return None
+        finally:
+            self._outer = None
         return result
 
     def warn(self, name: str, why: str) -> None:

@@ -248,26 +248,30 @@ _COLLECTIVES = frozenset(
     | {"pmin", "ppermute", "psum", "psum_invariant", "pvary", "reduce_scatter"}
     | {"unreduced_psum", "unreduced_pmax", "unreduced_pmin"}
 )
-_STAT_OPS = _SAME_SOURCE | _COLLECTIVES | {
-    "concatenate",
-    "dynamic_slice",
-    "slice",
-    "split",
-    "stack",
-    "unstack",
-    "abs",
-    "add",
-    "div",
-    "integer_pow",
-    "max",
-    "min",
-    "mul",
-    "neg",
-    "rsqrt",
-    "sqrt",
-    "square",
-    "sub",
-}
+_STAT_OPS = (
+    _SAME_SOURCE
+    | _COLLECTIVES
+    | {
+        "concatenate",
+        "dynamic_slice",
+        "slice",
+        "split",
+        "stack",
+        "unstack",
+        "abs",
+        "add",
+        "div",
+        "integer_pow",
+        "max",
+        "min",
+        "mul",
+        "neg",
+        "rsqrt",
+        "sqrt",
+        "square",
+        "sub",
+    }
+)
 
 _SAME_LOWERED = frozenset(
     {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._autocast.classes import WIDE_NOTE
 from jaxscale._autocast.entry import interpret, plan
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.rules import AutocastRule
@@ -227,8 +228,8 @@ def _build(
     constants, norms = [], []
     for e in entries:
         for note in e["notes"]:
-            if note.startswith("float8 site"):
-                continue  # counted as "float8" in by_primitive and by_source
+            if note.startswith("float8 site") or note == WIDE_NOTE:
+                continue  # float8: counted as "float8" in by_primitive
             (constants if note.startswith("constant") else norms).append(_site(e, note))
     if deviation is not None:
         deviation = tuple(
@@ -357,28 +358,29 @@ def autocast_report(
       >>> report.islands  # every activation stays float16
       ()
 
-      A float32 target makes the loss's difference a float32 island:
+      A float32 input subtracted from an activation makes a float32 island, up
+      to the next matmul:
 
-      >>> def loss(params, x, y):
-      ...     return jnp.mean(jnp.abs(x @ params["w1"] - y))
+      >>> def net(params, x, y):
+      ...     return jax.nn.relu(x @ params["w1"] - y) @ params["w2"]
       >>> y = jnp.full((2, 8), 0.1)
-      >>> report = jxs.diagnostics.autocast_report(loss)(params, jnp.ones((2, 4)), y)
+      >>> report = jxs.diagnostics.autocast_report(net)(params, jnp.ones((2, 4)), y)
       >>> for site in report.islands:
       ...     print(site.primitive, site.shape, site.note)
-      sub (2, 8) float16 widened by f32[2,8] (bias)
-      abs (2, 8) from an island
+      sub (2, 8) float16 widened by f32[2,8], a float32 parameter or input
+      max (2, 8) from an island
 
       ``compare=True`` finds the operation that loses most against float32
       (here a matmul whose result, 80000, overflows float16's 65504):
 
       >>> w, x = jnp.full((4, 4), 200.0), jnp.full((2, 4), 100.0)
-      >>> f = lambda w, x: jnp.mean(jnp.log(x @ w))
+      >>> f = lambda w, x: jnp.mean(jnp.log(jax.nn.relu(x @ w) @ w))
       >>> worst = jxs.diagnostics.autocast_report(f, compare=True)(w, x).deviation[0]
       >>> worst.primitive, worst.nonfinite, worst.local_error
       ('dot_general', 8, inf)
       >>> report = jxs.diagnostics.autocast_report(f, compare=True)(w, x)
       >>> print(report)  # doctest: +ELLIPSIS
-      autocast report: float16, 5 operations (1 float16, 4 float32)
+      autocast report: float16, 7 operations (3 float16, 4 float32)
       ...
     """
     if not callable(fun):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxscale._autocast.classes import WIDE_NOTE
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import (
     REGION_PREFIX,
@@ -47,7 +48,7 @@ from jaxscale._jax_private import (
     user_frame,
     while_parts,
 )
-from jaxscale.diagnostics._report_text import typed
+from jaxscale.diagnostics._islands import carried_note, carry_vars, widened_note
 
 __all__ = ["INLINE_HANDLERS", "Census", "Compare", "source_of"]
 
@@ -119,6 +120,7 @@ class _Walker(Interpreter):
         self.observer = self._observe
         self._frames: list[_Frame] = []
         self._calls: list[tuple[Any, list[Any], list[Info]]] = []
+        self._carries: list[frozenset[Any]] = []  # per jaxpr: its loop carries
 
     def path(self, eqn: Any) -> tuple[Any, ...]:
         return tuple(f.eqn for f in self._frames if f.eqn is not eqn)
@@ -149,7 +151,13 @@ class _Walker(Interpreter):
     ) -> tuple[list[Any], list[Info]]:
         frame = self._frames[-1] if self._frames else None
         self.entered(jaxpr, frame, args)
-        outs, out_infos = super().eval_jaxpr(jaxpr, consts, args, infos)
+        self._carries.append(
+            carry_vars(frame.eqn if frame is not None else None, jaxpr)
+        )
+        try:
+            outs, out_infos = super().eval_jaxpr(jaxpr, consts, args, infos)
+        finally:
+            self._carries.pop()
         if frame is not None:
             frame.sub_outs.append((list(jaxpr.outvars), list(outs)))
         return outs, out_infos
@@ -189,15 +197,6 @@ def _ran_in(
     if floats and name != "convert_element_type":
         return max(floats, key=lambda d: np.dtype(d).itemsize).name
     return np.dtype(dtype_of(outs[0])).name if outs else "none"
-
-
-_CARRIED = MappingProxyType(
-    {
-        "scan": "{} loop carry kept in float32",
-        "while": "{} loop carry kept in float32",
-        "cond": "{} branch result widened to another branch's float32",
-    }
-)
 
 
 def _aligned(frame: _Frame, jaxpr: Any) -> list[bool]:
@@ -301,9 +300,7 @@ class Census(_Walker):
                 "eqns": (*self.path(eqn), eqn),
                 "name": eqn.primitive.name,
                 "outs": [(tuple(np.shape(big)), np.dtype(dtype_of(big)))],
-                "island": _CARRIED.get(
-                    eqn.primitive.name, "{} result in float32"
-                ).format(self.dtype.name),
+                "island": carried_note(eqn.primitive.name, self.dtype),
                 "seq": len(self.entries) + len(self.widened),
             }
 
@@ -316,6 +313,7 @@ class Census(_Walker):
         )
         from_island = any(self.flags(eqn.invars))
         eligible = rec.rule not in (AutocastRule.FLOAT32, AutocastRule.TRACED)
+        eligible = eligible and WIDE_NOTE not in rec.notes  # float32 by design
         carried = eligible and (from_low or from_island) and self.dtype != _F32
         self._set(eqn.outvars, [carried and self._wide(o) for o in rec.outs])
         key = _key(path, eqn)
@@ -323,12 +321,13 @@ class Census(_Walker):
             return
         island = ""
         if carried and rec.outs and self._wide(rec.outs[0]):
-            if from_low:
-                wide = [typed(dtype_of(v), np.shape(v)) for v in vals if self._wide(v)]
-                by = f" by {', '.join(wide)}" if wide else ""
-                island = f"{self.dtype.name} widened{by} ({rec.rule.value})"
-            else:
-                island = "from an island"
+            carries = self._carries[-1] if self._carries else frozenset()
+            wide = [self._wide(v) for v in vals]
+            island = (
+                widened_note(self.dtype, rec, vals, infos, wide, carries)
+                if from_low
+                else "from an island"
+            )
         self.entries[key] = {
             "eqns": (*path, eqn),
             "name": name,

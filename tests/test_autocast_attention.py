@@ -1,0 +1,207 @@
+"""Attention scores that would overflow float16: a matmul whose result the
+function widens to float32 anyway (on its way to a softmax) accumulates and
+comes out in float32, as torch's fused attention and JAX's
+``preferred_element_type=float32`` keep scores; its backward stays in the
+autocast dtype."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import all_eqns
+
+import jaxscale as jxs
+
+pytestmark = pytest.mark.core
+
+F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
+B, T, N, H = 2, 16, 2, 64
+
+
+def qkv(peak, seed=0):
+    """q, k, v (float32 values that float16 holds exactly) whose largest score
+    ``|q . k|`` is ``peak``."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(B, T, N, H)) for _ in range(3))
+    top = np.abs(np.einsum("btnh,bsnh->bnts", q, k)).max()
+    q, k = q * np.sqrt(peak / top), k * np.sqrt(peak / top)
+    return [jnp.asarray(x, jnp.float16).astype(jnp.float32) for x in (q, k, v)]
+
+
+def attention_impls():
+    impls = [None, "xla"]
+    if jax.default_backend() == "gpu":
+        impls.append("cudnn")
+    return impls
+
+
+def score_dtypes(fn, *args):
+    """The output dtypes of the matmuls whose operands are (B, T, N, H)-like:
+    the scores (q . k) and the weighted values (p . v)."""
+    return [
+        np.dtype(e.outvars[0].aval.dtype)
+        for e in all_eqns(jax.make_jaxpr(fn)(*args))
+        if e.primitive.name == "dot_general"
+    ]
+
+
+@pytest.mark.parametrize("impl", attention_impls(), ids=str)
+@pytest.mark.parametrize("peak", [7e4, 1e6, 1e9])
+def test_dot_product_attention_stays_finite_where_float32_is(impl, peak):
+    """Scores above float16's 65504 (the issue's case: 66,000) up to 1e9, where
+    float16 operands hold 2e5 each and their product only float32 holds."""
+    q, k, v = qkv(peak)
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation=impl, scale=1.0)
+
+    ref = jax.jit(f)(q, k, v)
+    assert np.isfinite(ref).all()
+    got = jax.jit(jxs.autocast(f, jnp.float16))(q, k, v)
+    assert got.dtype == F32
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))
+    assert float(jnp.abs(jnp.einsum("btnh,bsnh->bnts", q, k)).max()) > 0.99 * peak
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_scores_come_out_in_float32_and_values_in_the_compute_dtype(dtype):
+    q, k, v = qkv(100.0)
+    f = jxs.autocast(jax.nn.dot_product_attention, dtype)
+    assert score_dtypes(f, q, k, v) == [F32, dtype]
+    dots = [
+        e
+        for e in all_eqns(jax.make_jaxpr(f)(q, k, v))
+        if e.primitive.name == "dot_general"
+    ]
+    for e in dots:  # operands in the compute dtype, both matmuls
+        assert {np.dtype(x.aval.dtype) for x in e.invars} == {dtype}, e
+
+
+def test_the_backward_matmuls_stay_in_float16():
+    """The gradient of the scores reaches the matmul's backward in float16 (as
+    through the cast that float16 scores needed before), so the backward's
+    products are float16 GEMMs, not float32 ones."""
+    q, k, v = qkv(7e4)
+    f = jxs.autocast(jax.nn.dot_product_attention, jnp.float16)
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    dots = [
+        e
+        for e in all_eqns(jax.make_jaxpr(grad)(q, k, v))
+        if e.primitive.name == "dot_general"
+    ]
+    assert len(dots) == 6  # two forward products, two backward each
+    for e in dots:
+        assert {np.dtype(x.aval.dtype) for x in e.invars} == {F16}, e
+    grads = grad(q, k, v)
+    ref = jax.grad(
+        lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    for g, r in zip(grads, ref, strict=True):
+        assert g.dtype == F32 and np.isfinite(g).all()
+        np.testing.assert_allclose(g, r, atol=0.02 * float(np.abs(r).max()) + 1e-3)
+
+
+def test_forward_mode_through_wide_scores():
+    q, k, v = qkv(100.0)
+    f = jxs.autocast(jax.nn.dot_product_attention, jnp.float16)
+    ones = jnp.ones_like(q)
+    out, tangent = jax.jvp(lambda q: f(q, k, v), (q,), (ones,))
+    _, ref = jax.jvp(lambda q: jax.nn.dot_product_attention(q, k, v), (q,), (ones,))
+    assert np.isfinite(tangent).all()
+    np.testing.assert_allclose(tangent, ref, atol=0.05 * float(np.abs(ref).max()))
+
+
+def test_hand_written_attention_with_a_mask_stays_finite():
+    q, k, v = qkv(3e5)
+    mask = jnp.tril(jnp.ones((T, T), bool))
+
+    def attend(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k)
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+    got = jax.jit(jxs.autocast(attend, jnp.float16))(q, k, v)
+    ref = jax.jit(attend)(q, k, v)
+    kept = jnp.where(mask, jnp.einsum("btnh,bsnh->bnts", q, k), 0.0)
+    assert float(jnp.abs(kept).max()) > 65504  # beyond float16
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))
+
+
+def test_flax_attention_with_a_mask_stays_finite():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, 32)), jnp.float32)
+    mha = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)
+    variables = mha.init(jax.random.key(0), x)
+    # Large query and key weights: scores near 1e5.
+    big = jax.tree.map(lambda a: a, variables)
+    big["params"]["query"]["kernel"] = variables["params"]["query"]["kernel"] * 150.0
+    big["params"]["key"]["kernel"] = variables["params"]["key"]["kernel"] * 150.0
+    mask = nn.make_causal_mask(jnp.ones((B, T)))
+
+    def f(variables, x):
+        return mha.apply(variables, x, mask=mask)
+
+    ref = jax.jit(f)(big, x)
+    assert np.isfinite(ref).all()
+    p = big["params"]
+    qh = (
+        jnp.einsum("btd,dnh->btnh", x, p["query"]["kernel"])
+        + p["query"]["bias"][None, None]
+    )
+    kh = (
+        jnp.einsum("btd,dnh->btnh", x, p["key"]["kernel"])
+        + p["key"]["bias"][None, None]
+    )
+    scores = jnp.einsum("btnh,bsnh->bnts", qh / np.sqrt(qh.shape[-1]), kh)
+    assert float(jnp.abs(scores).max()) > 65504  # beyond float16
+    got = jax.jit(jxs.autocast(f, jnp.float16))(big, x)
+    assert np.isfinite(got).all()
+    # At scores near 1e5, float16 projections move a score by ~1e2, which may
+    # flip a softmax between near-tied keys (as bfloat16 would): the mean
+    # deviation, not the largest, is the measure.
+    scale = float(jnp.mean(jnp.abs(ref)))
+    assert float(jnp.mean(jnp.abs(got - ref))) < 0.05 * scale
+
+
+def test_scores_that_are_also_used_in_low_precision_stay_low():
+    """A product used by another matmul (or returned) is not widened: its
+    float16 copy is used."""
+    q, k, v = qkv(100.0)
+    qs, ks = q[0, :, 0], k[0, :, 0]
+
+    def f(q, k):
+        s = q @ k.T
+        return jax.nn.softmax(s), s @ k
+
+    assert (
+        score_dtypes(jxs.autocast(f, jnp.float16, cast_outputs=False), qs, ks)[0] == F16
+    )
+
+    def g(q, k):
+        s = q @ k.T
+        return jax.nn.softmax(s), s
+
+    assert score_dtypes(jxs.autocast(g, jnp.float16, cast_outputs=False), qs, ks) == [
+        F16
+    ]
+
+
+def test_a_product_into_a_sum_of_squares_is_not_widened():
+    """Only float32-rule work widens: a matmul feeding ``tanh`` and then another
+    matmul stays float16."""
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
+
+    def f(x, w):
+        return jnp.tanh(x @ w) @ w
+
+    assert score_dtypes(jxs.autocast(f, jnp.float16), x, w) == [F16, F16]
