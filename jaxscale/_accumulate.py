@@ -32,13 +32,14 @@ from jaxscale._args import check_int
 from jaxscale._grad import loss_scale_of, value_and_grad
 from jaxscale._skip import update_or_skip
 from jaxscale._structure import check_updates_match_params
-from jaxscale._tree import compute_dtype, is_float_leaf
+from jaxscale._tree import compute_dtype, is_float_leaf, is_inexact_leaf, map_parts
 
 __all__ = ["AccumulateState", "accumulate", "accumulate_value_and_grad"]
 
 
 def _zeros_acc(x: Any) -> jax.Array:
-    """A fresh accumulator for one leaf: float32 zeros for f16/bf16/f32 leaves."""
+    """A fresh accumulator for one leaf: float32 zeros for f16/bf16/f32 leaves
+    (a complex leaf's own dtype)."""
     x = jnp.asarray(x) if not hasattr(x, "shape") else x
     if is_float_leaf(x):
         return jnp.zeros(x.shape, compute_dtype(x.dtype))
@@ -46,9 +47,18 @@ def _zeros_acc(x: Any) -> jax.Array:
 
 
 def _add(acc: jax.Array, g: Any) -> jax.Array:
-    if not is_float_leaf(g):
+    if not is_inexact_leaf(g):
         return acc
     return acc + jnp.asarray(g).astype(acc.dtype)
+
+
+def _mean(total: jax.Array, like: Any, k: int) -> Any:
+    """``total / k`` in ``like``'s dtype (a complex leaf part by part, so that
+    the division by a real ``k`` is exact per part); ``like`` if it is not an
+    inexact leaf."""
+    if not is_inexact_leaf(like):
+        return like
+    return map_parts(lambda t: t / k, total).astype(jnp.result_type(like))
 
 
 class AccumulateState(NamedTuple):
@@ -59,8 +69,9 @@ class AccumulateState(NamedTuple):
         ``0`` to ``every_k - 1``; it is ``0`` right after an effective step.
       grad_sum: the sum of this window's gradients, in the structure of the
         parameters: float32 for float16, bfloat16 and float32 leaves (float64 for
-        float64 ones). Reset to zeros (never multiplied by zero) after each
-        effective step, so it is finite again after a window that overflowed.
+        float64 ones; complex leaves in their own dtype). Reset to zeros (never
+        multiplied by zero) after each effective step, so it is finite again
+        after a window that overflowed.
       inner_state: the wrapped transformation's state; changes only on the
         ``every_k``-th call.
 
@@ -168,15 +179,10 @@ def accumulate(
         emit = state.micro_step >= every_k - 1
         total = jax.tree.map(_add, state.grad_sum, updates)
 
-        def mean_leaf(t: jax.Array, g: Any) -> Any:
-            if not is_float_leaf(g):
-                return g
-            return (t / every_k).astype(jnp.asarray(g).dtype)
-
         def apply(operand):
             # The mean is computed here, so the other calls do not pay for it.
             total, grads, inner_state = operand
-            mean = jax.tree.map(mean_leaf, total, grads)
+            mean = jax.tree.map(lambda t, g: _mean(t, g, every_k), total, grads)
             return inner.update(mean, inner_state, params, **extra_args)
 
         new_updates, new_inner = update_or_skip(
@@ -218,8 +224,9 @@ def accumulate_value_and_grad(
     The returned function splits its batch arguments into ``k`` micro-batches,
     runs :func:`value_and_grad` on each inside a ``lax.scan`` (so only one
     micro-batch's activations are live at a time), sums the scaled gradients in
-    float32 (float64 for float64 leaves) and returns their mean, cast back to the
-    gradients' dtype, together with the mean loss. Feed the gradients to
+    float32 (float64 for float64 leaves, a complex leaf in its own dtype) and
+    returns their mean, cast back to the gradients' dtype, together with the
+    mean loss. Feed the gradients to
     ``tx.update`` of :func:`dynamic_scaling` once per effective batch: every
     micro-batch uses the same loss scale, finiteness is checked once (an
     ``inf``/``NaN`` in any micro-batch makes the sum non-finite, so the whole
@@ -334,7 +341,7 @@ def accumulate_value_and_grad(
 
         (acc, carry), outs = lax.scan(body, (acc0, carry0), xs)
         grads = jax.tree.map(
-            lambda t, s: (t / k).astype(s.dtype) if is_float_leaf(s) else t,
+            lambda t, s: _mean(t, s, k) if is_inexact_leaf(s) else t,
             acc,
             grads_shape,
         )

@@ -21,7 +21,7 @@ import optax
 from jax import lax
 from optax import Params, Updates
 
-from jaxscale._tree import compute_dtype, is_float_leaf
+from jaxscale._tree import compute_dtype, is_inexact_leaf, map_parts, real_parts
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -53,8 +53,16 @@ def overflow_safe_norm(leaves: list[jax.Array], dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(sumsq), jnp.sqrt(sumsq), rescaled)
 
 
+def _parts(tree: Any) -> list[jax.Array]:
+    """The real arrays of the inexact leaves of ``tree``: a complex leaf's real
+    and imaginary parts, so that their squares sum to ``|z|**2``."""
+    return [
+        p for x in jax.tree.leaves(tree) if is_inexact_leaf(x) for p in real_parts(x)
+    ]
+
+
 def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all floating leaves of a tree, without float16 overflow.
+    """The L2 norm of the floating and complex leaves of a tree, without overflow.
 
     Every floating leaf is squared and summed in float32 (float64 if some leaf
     is float64), so float16 and bfloat16 gradients give the same norm as their
@@ -62,8 +70,10 @@ def global_norm(tree: Any) -> jax.Array:
     returns ``inf`` for a float16 tree whose norm exceeds 65504. If even the
     float32 sum of squares overflows, the norm comes from a second sum of
     rescaled squares taken in the same pass (no branch), so any finite tree
-    has a finite norm. Integer, boolean and ``None`` leaves are ignored; an
-    ``inf`` element gives ``inf`` and a ``NaN`` gives ``NaN``.
+    has a finite norm. A complex element counts as ``|z|**2 = real(z)**2 +
+    imag(z)**2`` (as in ``optax.tree.norm``; complex64 in float32). Integer,
+    boolean and ``None`` leaves are ignored; an ``inf`` element gives ``inf``
+    and a ``NaN`` gives ``NaN``.
 
     Args:
       tree: a pytree, typically gradients.
@@ -79,9 +89,11 @@ def global_norm(tree: Any) -> jax.Array:
       Array(80000., dtype=float32)
       >>> optax.tree.norm(g)  # squares 40000 in float16
       Array(inf, dtype=float16)
+      >>> jxs.global_norm({"z": jnp.array([3 + 4j], jnp.complex64)})
+      Array(5., dtype=float32)
     """
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
-    return overflow_safe_norm(leaves, compute_dtype([x.dtype for x in leaves]))
+    parts = _parts(tree)
+    return overflow_safe_norm(parts, compute_dtype([x.dtype for x in parts]))
 
 
 def _check_max_norm(max_norm: Any) -> None:
@@ -112,7 +124,9 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
     never overflowing for finite gradients) and each leaf is rescaled in float32
     and cast back to its own dtype, so dtypes are preserved and the clipped
     norm is ``max_norm`` up to rounding. For float32 leaves the result equals
-    optax's bit for bit.
+    optax's bit for bit. Complex leaves count with ``|z|**2`` in the norm, as
+    in optax, and are rescaled part by part (the real and the imaginary part
+    by the same real factor).
 
     Put it *inside* :func:`dynamic_scaling`, so that it clips the unscaled
     gradients (torch's ``scaler.unscale_(opt)`` then ``clip_grad_norm_``)::
@@ -150,19 +164,21 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
         updates: Updates, state: optax.EmptyState, params: Params | None = None
     ) -> tuple[Updates, optax.EmptyState]:
         del params
-        leaves = [jnp.asarray(x) for x in jax.tree.leaves(updates) if is_float_leaf(x)]
-        dtype = compute_dtype([x.dtype for x in leaves])
-        norm = overflow_safe_norm(leaves, dtype)
+        parts = _parts(updates)
+        dtype = compute_dtype([x.dtype for x in parts])
+        norm = overflow_safe_norm(parts, dtype)
         limit = jnp.asarray(max_norm, dtype)
         trigger = norm < limit
 
+        def part(t: jax.Array) -> jax.Array:
+            c = compute_dtype(t.dtype)
+            return ((t.astype(c) / norm.astype(c)) * limit.astype(c)).astype(t.dtype)
+
         def clip(t: Any) -> Any:
-            if not is_float_leaf(t):
+            if not is_inexact_leaf(t):
                 return t
             t = jnp.asarray(t)
-            c = compute_dtype(t.dtype)
-            clipped = (t.astype(c) / norm.astype(c)) * limit.astype(c)
-            return lax.select(trigger, t, clipped.astype(t.dtype))
+            return lax.select(trigger, t, map_parts(part, t))
 
         return jax.tree.map(clip, updates), state
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._args import check_int
-from jaxscale._tree import compute_dtype, is_float_leaf
+from jaxscale._tree import compute_dtype, is_inexact_leaf, map_parts
 
 __all__ = [
     "DynamicLossScale",
@@ -114,12 +114,12 @@ def _as_bool_scalar(name: str, value: jax.typing.ArrayLike) -> jax.Array:
 
 
 def scale_tree(tree: Any, scale: jax.Array) -> Any:
-    def leaf(x):
-        if not is_float_leaf(x):
-            return x
-        x = jnp.asarray(x)
+    def part(x):
         c = compute_dtype(x.dtype)
         return (x.astype(c) * scale.astype(c)).astype(x.dtype)
+
+    def leaf(x):
+        return map_parts(part, jnp.asarray(x)) if is_inexact_leaf(x) else x
 
     return jax.tree.map(leaf, tree)
 
@@ -141,12 +141,16 @@ def reciprocal_parts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def unscale_leaf(x: Any, hi: jax.Array, lo: jax.Array) -> Any:
-    """Multiplies one floating leaf by ``hi * lo`` in its compute dtype."""
-    if not is_float_leaf(x):
+    """Multiplies one floating leaf by ``hi * lo`` in its compute dtype (a
+    complex leaf: each of its real and imaginary parts, keeping its dtype)."""
+    if not is_inexact_leaf(x):
         return x
-    x = jnp.asarray(x)
-    c = compute_dtype(x.dtype)
-    return (x.astype(c) * hi.astype(c) * lo.astype(c)).astype(x.dtype)
+
+    def part(x):
+        c = compute_dtype(x.dtype)
+        return (x.astype(c) * hi.astype(c) * lo.astype(c)).astype(x.dtype)
+
+    return map_parts(part, jnp.asarray(x))
 
 
 # --------------------------------------------------------------------------- #
@@ -181,7 +185,9 @@ class LossScale(abc.ABC):
         Each floating leaf is multiplied in float32 (float64 for f64 leaves) and
         cast back to its own dtype, so dtypes are preserved: a float16 loss stays
         float16 (and may overflow to ``inf``, which the next step detects).
-        Integer, boolean and ``None`` leaves pass through untouched.
+        A complex leaf is multiplied part by part (its real and its imaginary
+        part) and stays complex. Integer, boolean and ``None`` leaves pass
+        through untouched.
 
         Args:
           tree: a pytree, typically the scalar loss.
@@ -208,7 +214,9 @@ class LossScale(abc.ABC):
         (non-subnormal) results; a subnormal result is flushed to zero by XLA:CPU
         (torch keeps it). Above ``2**126`` the reciprocal is split into two normal
         factors, so the result stays within one ulp of ``grad / scale`` where a
-        plain ``grad * (1/scale)`` would be flushed to zero by XLA.
+        plain ``grad * (1/scale)`` would be flushed to zero by XLA. A complex
+        leaf (complex64, or complex128 under x64) is unscaled part by part, its
+        real and imaginary parts by the same real factor, and keeps its dtype.
         Integer, boolean and ``None`` leaves pass through untouched.
 
         Args:
@@ -222,6 +230,9 @@ class LossScale(abc.ABC):
           >>> import jax.numpy as jnp
           >>> jxs.StaticLossScale.create(8.0).unscale({"w": jnp.array([4.0, 16.0])})
           {'w': Array([0.5, 2. ], dtype=float32)}
+          >>> z = jnp.array([4 - 16j], jnp.complex64)
+          >>> jxs.StaticLossScale.create(8.0).unscale(z)
+          Array([0.5-2.j], dtype=complex64)
         """
         hi, lo = reciprocal_parts(self.loss_scale)
         return jax.tree.map(lambda x: unscale_leaf(x, hi, lo), tree)

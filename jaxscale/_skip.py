@@ -28,16 +28,21 @@ __all__ = ["update_or_skip"]
 
 
 def _keep_update(run: jax.Array, u: Any) -> Any:
-    """``u`` where ``run``, else ``-0.0`` (``0`` for non-float leaves).
+    """``u`` where ``run``, else ``-0.0`` (``-0.0 - 0.0j`` for complex leaves,
+    ``0`` for the others).
 
     ``p + (-0.0)`` is ``p`` for every float ``p``, ``-0.0`` included, whereas
     ``-0.0 + 0.0`` would be ``+0.0``: so ``optax.apply_updates`` with these
-    updates leaves every parameter bit-identical.
+    updates leaves every parameter bit-identical (a complex one part by part).
     """
     if u is None:
         return None
     u = jnp.asarray(u)
-    fill = -0.0 if jnp.issubdtype(u.dtype, jnp.floating) else 0
+    fill: complex | float = 0
+    if jnp.issubdtype(u.dtype, jnp.complexfloating):
+        fill = complex(-0.0, -0.0)
+    elif jnp.issubdtype(u.dtype, jnp.floating):
+        fill = -0.0
     return jnp.where(run, u, jnp.asarray(fill, u.dtype))
 
 

@@ -29,6 +29,8 @@ from jaxscale._tree import (
     compute_dtype,
     first_non_array,
     is_float_leaf,
+    is_inexact_leaf,
+    real_parts,
     saturating_increment,
     widen,
 )
@@ -76,20 +78,24 @@ def _nonfinite(g: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
     element is not finite; XLA does not fold ``x * 0`` for floats. A sum is the
     reduction every backend emits best (XLA:CPU splits ``all(isfinite(x))``
     into a materialised mask and a tree of window reductions); a max of
-    ``|x|`` is not exact (XLA:CPU's max can drop a ``NaN``).
+    ``|x|`` is not exact (XLA:CPU's max can drop a ``NaN``). A complex leaf's
+    term is the sum of its real and its imaginary part's terms: still one
+    reduction, ``NaN`` where either part is not finite.
     """
-    if not is_float_leaf(g):
+    if not is_inexact_leaf(g):
         return jnp.zeros((), jnp.bool_)
-    g = jnp.asarray(g)
-    c = compute_dtype(g.dtype)
-    # ``g * (hi * lo)``, not ``unscale_leaf``'s ``g * hi * lo``: another
-    # expression, so XLA does not share (and materialise) it with ``inner``'s
-    # unscaling but fuses it into this reduction, which reads ``g`` once. It
-    # overflows exactly where ``unscale_leaf`` does: ``lo`` is 1, or ``2**-64``
-    # for scales above ``2**126``, where nothing finite can overflow (and a
-    # flushed ``hi * lo`` still maps ``inf`` to ``NaN``).
-    x = (g.astype(c) * (hi * lo).astype(c)).astype(g.dtype)
-    return jnp.isnan(jnp.sum(x * jnp.zeros((), x.dtype)))
+    terms = []
+    for part in real_parts(g):
+        c = compute_dtype(part.dtype)
+        # ``part * (hi * lo)``, not ``unscale_leaf``'s ``part * hi * lo``:
+        # another expression, so XLA does not share (and materialise) it with
+        # ``inner``'s unscaling but fuses it into this reduction, which reads
+        # ``g`` once. It overflows exactly where ``unscale_leaf`` does: ``lo`` is
+        # 1, or ``2**-64`` for scales above ``2**126``, where nothing finite can
+        # overflow (and a flushed ``hi * lo`` still maps ``inf`` to ``NaN``).
+        x = (part.astype(c) * (hi * lo).astype(c)).astype(part.dtype)
+        terms.append(x * jnp.zeros((), x.dtype))
+    return jnp.isnan(jnp.sum(sum(terms[1:], terms[0])))
 
 
 def _check(
@@ -114,7 +120,7 @@ def _check(
 
 
 def _check_array_leaves(params: Any) -> None:
-    """``params`` must hold real arrays (or ``None``): an equinox module's
+    """``params`` must hold arrays (or ``None``): an equinox module's
     strings and functions go through ``eqx.filter`` first."""
     bad = first_non_array(params)
     if bad is not None:
@@ -125,17 +131,6 @@ def _check_array_leaves(params: Any) -> None:
             "`tx.init(eqx.filter(model, eqx.is_inexact_array))` (and the same "
             "filter for `params` in `tx.update`)."
         )
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if isinstance(x, complex) or (
-            hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)
-        ):
-            raise TypeError(
-                f"`params` has a complex leaf at {jax.tree_util.keystr(path)}: "
-                "jxs.dynamic_scaling unscales and checks real floating leaves "
-                "only. Split complex parameters into real and imaginary parts "
-                "around it: `optax.contrib.split_real_and_imaginary("
-                "jxs.dynamic_scaling(inner))`."
-            )
 
 
 def _master_weight_update(
@@ -223,6 +218,14 @@ def dynamic_scaling(
     the float32 state of half-precision leaves (float32 leaves are unchanged).
     Integer and ``None`` leaves pass through to ``inner`` untouched.
 
+    Complex leaves (complex64, or complex128 under x64) are unscaled part by
+    part (the real and the imaginary part by the same real factor, so a power
+    of two scale is exact) and keep their dtype; an ``inf`` or ``NaN`` in
+    either part skips the step. ``inner`` sees the complex gradients as stock
+    optax does: a complex-aware optimizer (adam's second moment is ``|g|**2``)
+    behaves exactly as without the wrapper. (Conjugate JAX's gradients before
+    ``update``, ``optax.tree.conj(grads)``, as for any optax optimizer.)
+
     The per-leaf overflow flags (``nonfinite_leaves``, read with
     :func:`nonfinite_paths`) are always kept: they are the finite check's own
     per-leaf reductions. Host hooks (a callback on every skipped step, a
@@ -277,6 +280,12 @@ def dynamic_scaling(
       >>> updates, opt_state = tx.update(bad, opt_state, params)
       >>> int(opt_state.skipped_steps), opt_state.loss_scale.loss_scale
       (1, Array(32768., dtype=float32))
+
+      Complex parameters are unscaled part by part:
+
+      >>> z = jnp.array([1 + 2j], jnp.complex64)
+      >>> tx.update(z * 2.0**16, tx.init(z), z)[0]  # the default scale
+      Array([-0.1-0.2j], dtype=complex64)
 
       Two replicas on a mapped axis, one overflows: both skip.
 

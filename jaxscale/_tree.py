@@ -6,6 +6,7 @@ Nothing here knows about loss scales; the other modules build on these.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,9 +19,13 @@ __all__ = [
     "all_finite",
     "compute_dtype",
     "first_non_array",
+    "is_complex_leaf",
     "is_float_leaf",
+    "is_inexact_leaf",
     "leaf_names",
+    "map_parts",
     "path_name",
+    "real_parts",
     "select_tree",
     "widen",
 ]
@@ -51,19 +56,56 @@ def is_float_leaf(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
+def is_complex_leaf(x: Any) -> bool:
+    """Whether ``x`` is an array (or Python complex) of a complex dtype."""
+    if isinstance(x, complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def is_inexact_leaf(x: Any) -> bool:
+    """Whether ``x`` is a floating or a complex leaf: one that can overflow."""
+    return is_float_leaf(x) or is_complex_leaf(x)
+
+
+def real_parts(x: Any) -> list[jax.Array]:
+    """The real arrays that hold an inexact leaf's values: ``[x]`` for a floating
+    leaf, ``[real(x), imag(x)]`` (float32 for complex64, float64 for
+    complex128) for a complex one. Norms and finite checks of a complex leaf
+    run over these: ``|z|**2 = real(z)**2 + imag(z)**2``."""
+    x = jnp.asarray(x)
+    if is_complex_leaf(x):
+        return [jnp.real(x), jnp.imag(x)]
+    return [x]
+
+
+def map_parts(f: Callable[[jax.Array], jax.Array], x: Any) -> Any:
+    """``f(x)`` for a floating leaf; for a complex one ``f`` on its real and its
+    imaginary part, recombined (``lax.complex``): multiplying by a real factor
+    this way is exact per part, where a complex product with ``factor + 0j``
+    can turn a signed zero or an ``inf`` part into another value."""
+    if not is_complex_leaf(x):
+        return f(x)
+    re, im = real_parts(x)
+    return lax.complex(f(re), f(im))
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Returns whether every floating-point element of a pytree is finite.
 
-    Integer, boolean and ``None`` leaves are ignored, so are leaves of other
-    non-floating dtypes; an empty tree is finite. The result is a ``bool[]``
-    array computed on device (no host synchronisation), usable under ``jit``,
-    ``vmap`` and ``lax.scan``.
+    Complex leaves count too: an element is finite where both its real and its
+    imaginary part are. Integer, boolean and ``None`` leaves are ignored, so are
+    leaves of other non-inexact dtypes; an empty tree is finite. The result is a
+    ``bool[]`` array computed on device (no host synchronisation), usable under
+    ``jit``, ``vmap`` and ``lax.scan``.
 
     Args:
       tree: a pytree of arrays.
 
     Returns:
-      ``bool[]``: ``True`` iff no floating leaf holds ``inf``, ``-inf`` or ``NaN``.
+      ``bool[]``: ``True`` iff no floating or complex leaf holds ``inf``, ``-inf`` or
+      ``NaN``.
 
     Examples:
       >>> import jaxscale as jxs
@@ -72,11 +114,13 @@ def all_finite(tree: Any) -> jax.Array:
       Array(True, dtype=bool)
       >>> jxs.all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])])
       Array(False, dtype=bool)
+      >>> jxs.all_finite({"z": jnp.array([1 + 2j, complex(1.0, jnp.inf)])})
+      Array(False, dtype=bool)
     """
     flags = [
         jnp.all(jnp.isfinite(jnp.asarray(x)))
         for x in jax.tree.leaves(tree)
-        if is_float_leaf(x)
+        if is_inexact_leaf(x)
     ]
     if not flags:
         return jnp.ones((), jnp.bool_)
@@ -167,6 +211,8 @@ def first_non_array(tree: Any) -> tuple[str, Any] | None:
     nor a Python number (an equinox module's strings and functions), or
     ``None``."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+        if not isinstance(
+            x, jax.Array | np.ndarray | np.generic | int | float | complex
+        ):
             return jax.tree_util.keystr(path) or ROOT_NAME, x
     return None

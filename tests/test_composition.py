@@ -143,6 +143,13 @@ RIGHT = {
         (),
     ),
     "flatten(ds)": (lambda: optax.flatten(ds()), params, 1, ()),
+    "plain, complex params": (lambda: ds(), complex_params, 1, ()),
+    "ds(adam), complex params": (
+        lambda: ds(relaxed(optax.adam(0.1))),
+        complex_params,
+        1,
+        (),
+    ),
     "split_real_and_imaginary(ds)": (
         lambda: relaxed(optax.contrib.split_real_and_imaginary(strict(ds()))),
         complex_params,
@@ -278,8 +285,10 @@ def test_right_composition_trains_and_skips_bit_identically(name):
 
 
 @pytest.mark.core
-def test_split_real_and_imaginary_around_is_how_complex_leaves_are_unscaled():
-    """The complex leaf gets plain sgd's update: it was unscaled as two reals."""
+def test_split_real_and_imaginary_around_still_unscales_complex_leaves():
+    """The complex leaf gets plain sgd's update: it was unscaled as two reals.
+    (``ds`` unscales complex leaves itself; the split changes a complex-aware
+    optimizer such as adam into one on the two parts: tests/test_complex.py.)"""
     tx = relaxed(optax.contrib.split_real_and_imaginary(strict(ds())))
     p = complex_params()
     new, _ = stepper(tx)(p, tx.init(p), jnp.float32(1.0))

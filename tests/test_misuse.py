@@ -194,17 +194,20 @@ def test_value_and_grad_on_a_restored_dict_says_restore_with_a_target():
             call()
 
 
-def test_complex_params_are_refused_with_the_split_to_use():
+def test_complex_params_are_unscaled_and_checked_directly_and_through_the_split():
     # 0.2.0 neither unscaled nor checked complex leaves: an update 65536 times
-    # too large, and an inf gradient applied as NaN.
+    # too large, and an inf gradient applied as NaN. Later releases refused them
+    # and advised the split, which turns adam into adam on the real and the
+    # imaginary parts separately (tests/test_complex.py); both routes unscale.
     tx = jxs.dynamic_scaling(optax.sgd(0.1))
-    with pytest.raises(
-        TypeError, match=r"complex leaf at \['z'\].*split_real_and_imag"
-    ):
-        tx.init({"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)})
-    split = optax.contrib.split_real_and_imaginary(tx)
     z = jnp.array([1.0 + 2.0j])
+    updates, state = tx.update(z * 2.0**16, tx.init(z), z)  # the default scale
+    np.testing.assert_allclose(np.asarray(updates), [-0.1 - 0.2j], rtol=1e-6)
+    updates, state = tx.update(jnp.array([complex(1.0, np.inf)]), state, z)
+    assert int(state.skipped_steps) == 1
+    assert np.signbit(np.asarray(updates).view(np.float32)).all()  # -0 - 0j
+    split = optax.contrib.split_real_and_imaginary(tx)
     with jax.numpy_dtype_promotion("standard"):  # optax's split promotes
         state = split.init(z)
-        updates, _ = split.update(z * 2.0**16, state, z)  # the default scale
+        updates, _ = split.update(z * 2.0**16, state, z)
     np.testing.assert_allclose(np.asarray(updates), [-0.1 - 0.2j], rtol=1e-6)

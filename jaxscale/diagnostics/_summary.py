@@ -17,7 +17,7 @@ from jaxscale._clip import overflow_safe_norm
 from jaxscale._find import scaling_state_of, scaling_states
 from jaxscale._loss_scale import DynamicLossScale
 from jaxscale._state import LeafFlags, flag_values
-from jaxscale._tree import is_float_leaf, path_name
+from jaxscale._tree import is_float_leaf, is_inexact_leaf, path_name, real_parts
 from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
 
 __all__ = [
@@ -374,7 +374,8 @@ def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
     """The L2 norm of each leaf (or group of leaves) of a tree, in float32.
 
     For monitoring gradients per layer: every floating leaf is cast to float32
-    and the norm is computed with a rescaling that cannot overflow float32 (a
+    (a complex leaf's real and imaginary parts, so it counts ``|z|**2``) and
+    the norm is computed with a rescaling that cannot overflow float32 (a
     scaled float16 gradient of ``1e20`` still gives a finite norm). An ``inf``
     element gives ``inf``, a ``NaN`` gives ``NaN``. Jit-safe; returns device
     arrays.
@@ -411,8 +412,8 @@ def layer_norms(tree: Any, *, depth: int | None = None) -> dict[str, jax.Array]:
             raise ValueError(f"`depth` must be >= 1, got {depth}.")
     groups: dict[str, list[jax.Array]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not is_float_leaf(x):
+        if not is_inexact_leaf(x):
             continue
         key = path_name(path if depth is None else tuple(path)[:depth])
-        groups.setdefault(key, []).append(jnp.asarray(x).astype(_F32))
+        groups.setdefault(key, []).extend(p.astype(_F32) for p in real_parts(x))
     return {k: overflow_safe_norm(v, _F32) for k, v in groups.items()}

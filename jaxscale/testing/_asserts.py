@@ -13,7 +13,7 @@ import numpy as np
 from jaxscale._find import scaling_state_of
 from jaxscale._grad import loss_scale_of
 from jaxscale._loss_scale import DynamicLossScale, LossScale
-from jaxscale._tree import is_float_leaf, leaf_names
+from jaxscale._tree import is_inexact_leaf, leaf_names
 from jaxscale.testing._simulate import SimStep, concrete
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -249,8 +249,9 @@ def assert_applied(
                 f"leaf {name!r} of `after_params` is {y.dtype}{list(y.shape)}, "
                 f"`before_params` has {x.dtype}{list(x.shape)}."
             )
-        if is_float_leaf(y):
-            bad = ~np.isfinite(y.astype(np.float64))
+        if is_inexact_leaf(y):
+            wide = np.complex128 if np.iscomplexobj(y) else np.float64
+            bad = ~np.isfinite(y.astype(wide))
             if bad.any():
                 i = int(np.flatnonzero(bad.reshape(-1))[0])
                 raise AssertionError(

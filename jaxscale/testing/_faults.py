@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale._tree import is_float_leaf, path_name, saturating_increment
+from jaxscale._tree import is_inexact_leaf, path_name, saturating_increment
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -77,17 +77,19 @@ def inject_nonfinite(
     synchronisation: ``step`` can be a traced counter inside ``jit`` or
     ``lax.scan``, e.g. ``opt_state.steps``, the 0-based index of the update
     about to run. Every element of a chosen leaf becomes ``value`` (cast to the
-    leaf's dtype: a finite ``1e30`` becomes ``inf`` in float16). Other leaves,
+    leaf's dtype: a finite ``1e30`` becomes ``inf`` in float16; a complex leaf
+    gets ``value + 0j``). Other leaves,
     and every leaf at other steps, are returned unchanged.
 
     Args:
       tree: a pytree, typically the (scaled) gradients.
       step: an integer scalar, the current step.
       at_steps: the steps (ints >= 0) at which to inject.
-      paths: which floating leaves: ``None`` for all; a substring of the path
-        name (``"dense/kernel"``, ``"layers/0"``); a sequence of substrings
-        (any matches); or a predicate ``f(name) -> bool``. Names are key paths
-        joined by ``/``, as :func:`jaxscale.diagnostics.nonfinite_paths` reports them.
+      paths: which floating (or complex) leaves: ``None`` for all; a substring
+        of the path name (``"dense/kernel"``, ``"layers/0"``); a sequence of
+        substrings (any matches); or a predicate ``f(name) -> bool``. Names are
+        key paths joined by ``/``, as :func:`jaxscale.diagnostics.nonfinite_paths`
+        reports them.
       value: the value to inject; ``jnp.inf`` (default), ``-jnp.inf``,
         ``jnp.nan`` or any real number.
 
@@ -125,7 +127,7 @@ def inject_nonfinite(
     chosen = []
 
     def leaf(path, x):
-        if not is_float_leaf(x) or not select(path_name(path)):
+        if not is_inexact_leaf(x) or not select(path_name(path)):
             return x
         chosen.append(path_name(path))
         x = jnp.asarray(x)
@@ -138,7 +140,7 @@ def inject_nonfinite(
         names = [
             path_name(p)
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if is_float_leaf(x)
+            if is_inexact_leaf(x)
         ]
         raise ValueError(
             f"`paths` must match at least one floating leaf, got {paths!r}; the "
