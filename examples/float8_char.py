@@ -30,8 +30,8 @@ The optimizer is ``char_transformer.py``'s: AdamW with warm-up and cosine
 decay, clipping by global norm (``jxs.clip_by_global_norm``). No loss scaling:
 bfloat16 has float32's range. One batch of ``--batch`` sequences per step
 (``char_transformer.py`` accumulates 4 micro-batches of 8; here the 32
-sequences go in one batch, which would otherwise need the delayed-scaling
-state threaded through the micro-batches). Every run is validated on the
+sequences go in one batch: with delayed scaling, accumulating would take
+``jxs.float8.accumulate_value_and_grad``). Every run is validated on the
 same fixed windows in its own compute (the float8 runs with float8 matmuls);
 its final parameters also in float32, which separates what float8 did to
 training from the rounding of a float8 evaluation.

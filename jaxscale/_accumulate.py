@@ -6,7 +6,10 @@ one run of the inner optimizer:
 
 * :func:`accumulate_value_and_grad`: one jitted step loops over the
   micro-batches with ``lax.scan`` and hands the mean scaled gradients to
-  ``tx.update`` once.
+  ``tx.update`` once. :func:`jaxscale.float8.accumulate_value_and_grad` is
+  the same loop for delayed float8 scaling, whose new amax histories are
+  combined by the maximum over the micro-batches (:func:`accumulated` is
+  their common body).
 * :func:`accumulate`: an optax wrapper for loops that call ``update`` once per
   micro-batch (the ``optax.MultiSteps`` pattern), without its trap: the
   accumulator is reset to real zeros, so an overflowing window cannot poison the
@@ -30,11 +33,22 @@ from optax import OptState, Params, Updates
 from jaxscale import _nnx
 from jaxscale._args import check_int
 from jaxscale._grad import loss_scale_of, value_and_grad
+from jaxscale._scope import Scope
 from jaxscale._skip import update_or_skip
 from jaxscale._structure import check_updates_match_params
 from jaxscale._tree import compute_dtype, is_float_leaf, is_inexact_leaf, map_parts
 
-__all__ = ["AccumulateState", "accumulate", "accumulate_value_and_grad"]
+__all__ = [
+    "ACCUMULATING",
+    "AccumulateState",
+    "accumulate",
+    "accumulate_value_and_grad",
+    "accumulated",
+]
+
+# In scope while a micro-batch of `accumulate_value_and_grad` is traced (trace
+# time only): float8's errors name the accumulating entry point there.
+ACCUMULATING = Scope("gradient accumulation")
 
 
 def _zeros_acc(x: Any) -> jax.Array:
@@ -242,6 +256,11 @@ def accumulate_value_and_grad(
     mask for each) and written back at the end. They are never part of the
     batch.
 
+    A function with delayed float8 scaling reads and updates a
+    :class:`jaxscale.float8.Float8State`: use
+    :func:`jaxscale.float8.accumulate_value_and_grad` (this one raises and
+    names it).
+
     Args:
       fun: the loss function; returns a scalar, or ``(scalar, aux)`` with
         ``has_aux=True``.
@@ -284,6 +303,31 @@ def accumulate_value_and_grad(
       >>> jxs.value_and_grad(loss_fn, ls)(jnp.float32(1.0), x)  # same, in one go
       (Array(17.5, dtype=float32), Array(35840., dtype=float32))
     """
+    return accumulated(
+        fun,
+        loss_scale,
+        num_microbatches=num_microbatches,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        has_aux=has_aux,
+    )
+
+
+def accumulated(
+    fun: Callable[..., Any],
+    loss_scale: Any,
+    *,
+    num_microbatches: int | None,
+    argnums: int | Sequence[int],
+    batch_argnums: int | Sequence[int] | None,
+    has_aux: bool,
+    combine: Any = "mean",
+) -> Callable[..., tuple[Any, Any]]:
+    """:func:`accumulate_value_and_grad`, with ``combine``: a prefix of the
+    gradients' tree whose leaves say how each part is combined over the
+    micro-batches, ``"mean"`` (gradients) or ``"max"`` (the element-wise
+    maximum: the cotangent of a :class:`jaxscale.float8.Float8State`, new amax
+    histories, of which a window keeps the largest)."""
     ls = loss_scale_of(loss_scale)
     if num_microbatches is not None:
         num_microbatches = check_int("num_microbatches", num_microbatches)
@@ -327,7 +371,8 @@ def accumulate_value_and_grad(
             full = list(args)
             for i, x in zip(idx, mb, strict=True):
                 full[i] = x
-            return call(full, carry)
+            with ACCUMULATING.push(True):
+                return call(full, carry)
 
         first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
         with _nnx.explain_trace_errors():
@@ -337,13 +382,11 @@ def accumulate_value_and_grad(
         def body(state, mb):
             acc, carry = state
             out, grads, carry = micro(mb, carry)
-            return (jax.tree.map(_add, acc, grads), carry), out
+            return (jax.tree.map(_fold, combine, acc, grads), carry), out
 
         (acc, carry), outs = lax.scan(body, (acc0, carry0), xs)
         grads = jax.tree.map(
-            lambda t, s: _mean(t, s, k) if is_inexact_leaf(s) else t,
-            acc,
-            grads_shape,
+            lambda how, t, s: _result(how, t, s, k), combine, acc, grads_shape
         )
         grads = finish(grads, carry)
         losses, aux = outs if has_aux else (outs, None)
@@ -374,6 +417,30 @@ def accumulate_value_and_grad(
         return lambda full, carry: call(full, kwargs, carry), rest, finish
 
     return wrapped
+
+
+def _fold(how: str, acc: Any, grads: Any) -> Any:
+    """One more micro-batch's gradients into the accumulator (a subtree)."""
+    if how == "mean":
+        return jax.tree.map(_add, acc, grads)
+    return jax.tree.map(
+        lambda a, g: (
+            jnp.maximum(a, jnp.asarray(g).astype(a.dtype)) if is_float_leaf(g) else a
+        ),
+        acc,
+        grads,
+    )
+
+
+def _result(how: str, acc: Any, shapes: Any, k: int) -> Any:
+    """The accumulator's subtree as the result: the mean, or the maximum."""
+
+    def leaf(t: jax.Array, s: Any) -> Any:
+        if not is_inexact_leaf(s):
+            return t
+        return _mean(t, s, k) if how == "mean" else t.astype(s.dtype)
+
+    return jax.tree.map(leaf, acc, shapes)
 
 
 def _split(xs: tuple[Any, ...], k: int | None) -> tuple[Any, ...]:

@@ -532,6 +532,40 @@ def _tensor(t):
     return tuple(map(int, dims)), dtype
 
 
+@pytest.mark.unit
+def test_a_gemm_report_without_float8_dots_is_not_ok_and_says_why():
+    empty = jxs.float8.Float8GemmReport("cpu", 0, 0, None, ())
+    assert not empty.ok
+    assert "NOT ok" in str(empty) and "no float8 matmul at all" in str(empty)
+    assert "`min_dim`" in str(empty)
+    assert jxs.float8.Float8GemmReport("cpu", 3, 3, None, ()).ok
+    assert not jxs.float8.Float8GemmReport("gpu", 3, 3, 0, ()).ok  # fell back
+    assert not jxs.float8.Float8GemmReport("cpu", 3, 2, None, ("x",)).ok
+
+
+@pytest.mark.core
+def test_gemm_report_of_a_step_with_float8_below_min_dim_is_not_ok():
+    # float8=True at the default min_dim (4096) on a small model: no site, and
+    # the report says so instead of being vacuously ok.
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w1"]) @ params["w2"])
+
+    params = {"w1": _normal(0, (64, 64)), "w2": _normal(1, (64, 32))}
+    x = _normal(2, (32, 64))
+    step = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16, float8=True)))
+    with pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"):
+        report = jxs.float8.gemm_report(step, params, x)
+    assert report.float8_dots == 0 and not report.ok
+    assert "`min_dim`" in str(report)
+    recipe = jxs.float8.CurrentScaling(min_dim=32)
+    step = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16, float8=recipe)))
+    report = jxs.float8.gemm_report(step, params, x)
+    # Two sites, three products each, but for the first one's input gradient
+    # (x is not differentiated).
+    assert (report.float8_dots, report.rewritable) == (5, 5) and report.ok, report
+    assert "no float8 matmul" not in str(report)
+
+
 @pytest.mark.core
 def test_lowered_stablehlo_has_three_float8_gemms_in_gemm_rewriter_form():
     M, K, N = 16, 32, 24
@@ -773,6 +807,98 @@ def test_a_changed_function_is_refused_by_name():
     # Another batch size is the same function.
     _, _, new = vag(1, state, w, _sds(64, 32))
     assert jax.tree.structure(new) == jax.tree.structure(state)
+
+
+def _scanned(recipe, nested=False):
+    """A stack of layers under ``lax.scan`` over stacked weights ``ws`` (a
+    ``[L, 32, 32]`` array); ``nested``: ``ws`` is ``[L1, L2, 32, 32]``, scanned
+    twice."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    def fn(ws, x):
+        if nested:
+            h = lax.scan(lambda h, w2: lax.scan(layer, h, w2), x, ws)[0]
+        else:
+            h = lax.scan(layer, x, ws)[0]
+        return jnp.sum(h)
+
+    return jxs.autocast(fn, jnp.bfloat16, float8=recipe)
+
+
+@pytest.mark.core
+def test_a_scan_of_another_length_is_refused_by_name_under_jit():
+    # One history serves every iteration of a scanned site: a state made for
+    # three scanned layers holds the amaxes of three other layers than a
+    # two-layer model's. The scan lengths are part of the site.
+    recipe = jxs.float8.DelayedScaling(4, min_dim=16)
+    loss = _scanned(recipe)
+    ws3, ws2, x = (
+        _normal(0, (3, 32, 32), 0.2),
+        _normal(1, (2, 32, 32), 0.2),
+        _normal(2, (16, 32)),
+    )
+    three = jxs.float8.init(loss, ws3, x)
+    assert three.sites == (
+        "(top level): dot_general contracting 32, in a scan of length 3",
+    )
+    step = jax.jit(lambda ws, s, x: jxs.float8.value_and_grad(loss, s)(ws, x))
+    want = (
+        r"site 0: state '.*length 3', function '.*length 2'\).*`scan` of another length"
+    )
+    with pytest.raises(ValueError, match=want):
+        step(ws2, three, x)
+    with pytest.raises(ValueError, match=want):
+        jax.jit(jxs.float8.apply(loss, three))(ws2, x)
+    # The state made for two layers runs; another batch size is the same site.
+    two = jxs.float8.init(loss, ws2, x)
+    _, _, two = step(ws2, two, _normal(3, (48, 32)))
+    assert (np.asarray(two.history[0])[:, 0] > 0).all()
+    _, _, three = step(ws3, three, x)
+    # Nested scans: both lengths, outermost first.
+    nested = _scanned(recipe, nested=True)
+    s23 = jxs.float8.init(nested, _sds(2, 3, 32, 32), _sds(16, 32))
+    assert s23.sites[0].endswith(", in scans of lengths 2, 3 (outermost first)")
+    with pytest.raises(ValueError, match=r"lengths 2, 3 .*lengths 3, 2 "):
+        jax.eval_shape(
+            jxs.float8.value_and_grad(nested, s23), _sds(3, 2, 32, 32), _sds(16, 32)
+        )
+
+
+@pytest.mark.core
+def test_a_scanned_state_from_before_scan_lengths_restores_or_fails_loudly():
+    # States made before the scan lengths were part of a site name its scanned
+    # sites without them. A checkpoint holds only the arrays, so it restores
+    # into a target from `init` and trains on; the old object itself is refused
+    # with a message that says so.
+    serialization = pytest.importorskip("flax.serialization")
+    import dataclasses
+
+    import jaxscale.flax as jxf
+
+    jxf.register_flax_serialization()
+    recipe = jxs.float8.DelayedScaling(4, min_dim=16)
+    loss = _scanned(recipe)
+    ws, x = _normal(0, (3, 32, 32), 0.2), _normal(1, (16, 32))
+    step = jax.jit(lambda ws, s, x: jxs.float8.value_and_grad(loss, s)(ws, x))
+    _, _, trained = step(ws, jxs.float8.init(loss, ws, x), x)
+    old = dataclasses.replace(
+        trained, sites=tuple(s.split(", in a scan")[0] for s in trained.sites)
+    )
+    assert old.sites == ("(top level): dot_general contracting 32",)
+    with pytest.raises(
+        ValueError, match=r"records no scan length.*earlier jaxscale.*restore"
+    ):
+        step(ws, old, x)
+    restored = serialization.from_bytes(
+        jxs.float8.init(loss, ws, x), serialization.to_bytes(old)
+    )
+    assert restored.sites == trained.sites
+    _, _, after = step(ws, restored, x)
+    _, _, want = step(ws, trained, x)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.core

@@ -1,6 +1,7 @@
 """Float8 autocast on models nobody here wrote, as installed: Flax linen
 attention with a padding mask, Equinox ``Linear`` under ``jax.vmap``, and
-``nn.scan`` over layers trained with delayed scaling."""
+``nn.scan`` over layers trained with delayed scaling (a state for another depth
+refused; the GEMM check of a step with nothing in float8 not ok)."""
 
 from __future__ import annotations
 
@@ -173,7 +174,9 @@ class Layer(nn.Module):
 
 
 class Stack(nn.Module):
-    """An input projection, three layers under ``nn.scan``, a scalar head."""
+    """An input projection, ``layers`` layers under ``nn.scan``, a scalar head."""
+
+    layers: int = 3
 
     @nn.compact
     def __call__(self, x):
@@ -181,7 +184,7 @@ class Stack(nn.Module):
             Layer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            length=3,
+            length=self.layers,
         )
         h, _ = layers()(nn.Dense(D)(x), None)
         return nn.Dense(1)(h)
@@ -231,3 +234,60 @@ def test_linen_scan_over_layers_trains_with_delayed_scaling():
     scan_site = next(i for i, s in enumerate(state.sites) if "contracting 32" in s)
     assert state.history[scan_site].shape == (3, 4)
     assert float(state.history[scan_site][1, 0]) == per_layer.max()
+
+
+def _stack_loss(model, recipe):
+    def loss(params, x, y):
+        out = jxs.autocast(model.apply, jnp.bfloat16, float8=recipe)(params, x)
+        return jnp.mean((out - y) ** 2)
+
+    return loss
+
+
+def test_linen_scan_state_for_three_layers_is_refused_by_two_under_jit():
+    x = _normal(0, (64, 16))
+    y = jnp.sin(x[:, :1])
+    recipe = jxs.float8.DelayedScaling(4, min_dim=16)
+    three, two = Stack(layers=3), Stack(layers=2)
+    p3 = jax.jit(three.init)(jax.random.key(1), x)
+    p2 = jax.jit(two.init)(jax.random.key(1), x)
+    loss3, loss2 = _stack_loss(three, recipe), _stack_loss(two, recipe)
+    s3 = jxs.float8.init(loss3, p3, x, y)
+    assert s3.sites[1].endswith("contracting 32, in a scan of length 3"), s3.sites
+
+    def step(loss):
+        return jax.jit(lambda p, s, x, y: jxs.float8.value_and_grad(loss, s)(p, x, y))
+
+    # Site 0 (the input projection) matches; the scanned layer does not.
+    want = r"site 1: state '.*length 3', function '.*length 2'\).*another length"
+    with pytest.raises(ValueError, match=want):
+        step(loss2)(p2, s3, x, y)
+    with pytest.raises(ValueError, match=want):
+        jax.jit(jxs.float8.apply(loss2, s3))(p2, x, y)
+    s2 = jxs.float8.init(loss2, p2, x, y)
+    _, _, s2 = step(loss2)(p2, s2, x, y)
+    assert all((np.asarray(h)[:, 0] > 0).all() for h in s2.history)
+
+
+def test_gemm_report_of_a_linen_step_with_nothing_in_float8_is_not_ok():
+    # float8=True keeps the default min_dim (4096): this model has no site,
+    # and the check must not pass vacuously.
+    model = Stack()
+    x = _normal(0, (64, 16))
+    y = jnp.sin(x[:, :1])
+    params = jax.jit(model.init)(jax.random.key(1), x)
+
+    def step(recipe):
+        return jax.jit(jax.value_and_grad(_stack_loss(model, recipe)))
+
+    with pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"):
+        report = jxs.float8.gemm_report(step(True), params, x, y)
+    assert report.float8_dots == 0 and not report.ok
+    assert "NOT ok" in str(report) and "lower it" in str(report)
+    report = jxs.float8.gemm_report(
+        step(jxs.float8.CurrentScaling(min_dim=16)), params, x, y
+    )
+    assert report.ok, report
+    # The input projection and the scanned layer: the input's gradient is not
+    # needed, so five products.
+    assert report.float8_dots == report.rewritable == 5

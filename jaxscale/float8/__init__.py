@@ -7,6 +7,9 @@ a compiled step holds float8 GEMMs. ``docs/float8.md`` is the guide.
 """
 
 from jaxscale.float8._api import Float8State as Float8State
+from jaxscale.float8._api import (
+    accumulate_value_and_grad as accumulate_value_and_grad,
+)
 from jaxscale.float8._api import apply as apply
 from jaxscale.float8._api import init as init
 from jaxscale.float8._api import value_and_grad as value_and_grad
@@ -25,6 +28,7 @@ __all__ = [
     "Float8GemmReport",
     "Float8State",
     "Recipe",
+    "accumulate_value_and_grad",
     "apply",
     "dequantize",
     "gemm_report",

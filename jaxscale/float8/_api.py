@@ -4,25 +4,35 @@
 site; :func:`init` finds the sites by tracing the function once;
 :func:`value_and_grad` differentiates the function with the state in scope and
 returns the new state (each site's new amax history comes back as the
-cotangent of its state, see :mod:`jaxscale.float8._site`); :func:`apply` runs
-it forward with the state (evaluation).
+cotangent of its state, see :mod:`jaxscale.float8._site`);
+:func:`accumulate_value_and_grad` does so over micro-batches (one update per
+window, from the maximum of their amaxes); :func:`apply` runs it forward with
+the state (evaluation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxscale._accumulate import accumulated
 from jaxscale._grad import value_and_grad as _scaled_value_and_grad
+from jaxscale._loss_scale import NoOpLossScale
 from jaxscale.float8._recipes import DelayedScaling
 from jaxscale.float8._site import Context, SiteState, using_state
 
-__all__ = ["Float8State", "apply", "init", "value_and_grad"]
+__all__ = [
+    "Float8State",
+    "accumulate_value_and_grad",
+    "apply",
+    "init",
+    "value_and_grad",
+]
 
 
 def _static(**kwargs: Any) -> Any:
@@ -157,9 +167,13 @@ def init(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
     )
 
 
-def _scoped(fun: Callable[..., Any], state: Float8State) -> Callable[..., Any]:
+def _scoped(
+    fun: Callable[..., Any], state: Float8State, evaluating: bool = False
+) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        ctx = Context(state.recipe, state.site_states(), state.sites)
+        ctx = Context(
+            state.recipe, state.site_states(), state.sites, evaluating=evaluating
+        )
         with using_state(ctx):
             out = fun(*args, **kwargs)
         ctx.finish()
@@ -172,7 +186,11 @@ def apply(fun: Callable[..., Any], state: Float8State) -> Callable[..., Any]:
     """``fun`` with the delayed-scaling ``state`` in scope, forward only.
 
     For evaluation: the float8 sites quantise with the state's scales; the
-    state is not updated (amaxes are recorded by training steps only).
+    state is not updated (amaxes are recorded by training steps only). The
+    function must not be differentiated (under ``jax.grad``, or
+    ``jxs.accumulate_value_and_grad``): that raises at trace time rather than
+    drop the step's amaxes; train through :func:`value_and_grad` or
+    :func:`accumulate_value_and_grad`.
 
     Args:
       fun: the function (the one :func:`init` was given).
@@ -191,7 +209,7 @@ def apply(fun: Callable[..., Any], state: Float8State) -> Callable[..., Any]:
       Array([1., 1., 1.], dtype=float32)
     """
     _check_fun(fun)
-    return _scoped(fun, _check_state(state))
+    return _scoped(fun, _check_state(state), evaluating=True)
 
 
 def value_and_grad(
@@ -246,41 +264,137 @@ def value_and_grad(
     """
     _check_fun(fun)
     state = _check_state(state)
+    _check_has_aux(has_aux)
+
+    inner = _with_state(fun)
+    if loss_scale is None:
+        grad_fn = jax.value_and_grad(inner, has_aux=has_aux)
+    else:
+        grad_fn = _scaled_value_and_grad(inner, loss_scale, has_aux=has_aux)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Float8State]:
+        _check_args(args, "value_and_grad")
+        value, (grads, ct) = grad_fn((args[0], state), *args[1:], **kwargs)
+        return value, grads, _updated(state, ct)
+
+    return wrapped
+
+
+def _check_has_aux(has_aux: Any) -> None:
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {type(has_aux).__name__}.")
 
-    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Float8State]:
-        if not args:
-            raise TypeError(
-                "The function returned by `jxs.float8.value_and_grad` needs the "
-                "parameters as its first positional argument."
-            )
 
-        def inner(both: tuple[Any, Float8State], *rest: Any) -> Any:
-            params, st = both
-            return _scoped(fun, st)(params, *rest, **kwargs)
-
-        primal = (args[0], state)
-        if loss_scale is None:
-            value, (grads, ct) = jax.value_and_grad(inner, has_aux=has_aux)(
-                primal, *args[1:]
-            )
-        else:
-            value, (grads, ct) = _scaled_value_and_grad(
-                inner, loss_scale, has_aux=has_aux
-            )(primal, *args[1:])
-        new = [
-            state.recipe.update(old, (h, s))
-            for old, h, s in zip(state.site_states(), ct.history, ct.scale, strict=True)
-        ]
-        return (
-            value,
-            grads,
-            dataclasses.replace(
-                state,
-                history=tuple(n.history for n in new),
-                scale=tuple(n.scale for n in new),
-            ),
+def _check_args(args: tuple[Any, ...], name: str) -> None:
+    if not args:
+        raise TypeError(
+            f"The function returned by `jxs.float8.{name}` needs the parameters as "
+            "its first positional argument."
         )
+
+
+def _with_state(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` as a function of ``(params, state)`` and the rest: what is
+    differentiated, so that the state's cotangent carries the new histories."""
+
+    def inner(both: tuple[Any, Float8State], *rest: Any, **kwargs: Any) -> Any:
+        params, st = both
+        return _scoped(fun, st)(params, *rest, **kwargs)
+
+    return inner
+
+
+def _updated(state: Float8State, ct: Float8State) -> Float8State:
+    """The new state from the cotangent of the old one (the sites' records)."""
+    new = [
+        state.recipe.update(old, (h, s))
+        for old, h, s in zip(state.site_states(), ct.history, ct.scale, strict=True)
+    ]
+    return dataclasses.replace(
+        state,
+        history=tuple(n.history for n in new),
+        scale=tuple(n.scale for n in new),
+    )
+
+
+def accumulate_value_and_grad(
+    fun: Callable[..., Any],
+    state: Float8State,
+    loss_scale: Any = None,
+    *,
+    num_microbatches: int | None = None,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Float8State]]:
+    """:func:`value_and_grad` over micro-batches accumulated in one step.
+
+    :func:`jaxscale.accumulate_value_and_grad` for a function with delayed
+    float8 scaling: the batch arguments are split into ``k`` micro-batches,
+    run one after the other in a ``lax.scan``, and the mean gradients come
+    back with the new state. Every micro-batch quantises with the scales
+    ``state`` holds; each site's amaxes (left operand, right operand, gradient)
+    are combined by the maximum over the micro-batches (as over the iterations
+    of a ``scan``) and go into its history once: one history update per
+    accumulation window, as one step on the whole batch would make.
+
+    Args:
+      fun: a function of parameters (its first argument) and more, returning
+        a scalar loss (or ``(loss, aux)``), as for :func:`value_and_grad`.
+      state: the :class:`Float8State` from :func:`init`.
+      loss_scale: ``None`` (no loss scaling: bfloat16 compute) or what
+        :func:`jaxscale.accumulate_value_and_grad` takes.
+      num_microbatches: as for :func:`jaxscale.accumulate_value_and_grad`
+        (``None``: the batch arguments already have a leading micro-batch
+        axis).
+      batch_argnums: which positional arguments hold the batch (never the
+        first); default: every positional argument but the first.
+      has_aux: whether ``fun`` returns ``(loss, aux)``; ``aux`` comes back
+        stacked along a leading axis of size ``k``.
+
+    Returns:
+      A function of ``fun``'s arguments returning ``(value, grads,
+      new_state)``: ``value`` is the mean loss (or ``(loss, aux)``), ``grads``
+      the mean gradients with respect to the first argument (of the scaled
+      loss when ``loss_scale`` is given).
+
+    Raises:
+      ValueError: if ``fun`` no longer has the sites ``state`` was made for,
+        or the micro-batches cannot be formed (see
+        :func:`jaxscale.accumulate_value_and_grad`).
+      TypeError: if ``state`` is not a :class:`Float8State`.
+
+    Examples:
+      >>> import jaxscale as jxs, jax.numpy as jnp
+      >>> recipe = jxs.float8.DelayedScaling(history_len=4, min_dim=0)
+      >>> f = jxs.autocast(lambda w, x: jnp.sum(x @ w), jnp.bfloat16, float8=recipe)
+      >>> w = jnp.full((8, 8), 0.5)
+      >>> x = jnp.concatenate([jnp.full((4, 8), 2.0), jnp.full((4, 8), 3.0)])
+      >>> state = jxs.float8.init(f, w, x[:4])
+      >>> grad_fn = jxs.float8.accumulate_value_and_grad(f, state, num_microbatches=2)
+      >>> loss, grads, state = grad_fn(w, x)  # two micro-batches of 4 rows
+      >>> float(loss), grads.shape
+      (320.0, (8, 8))
+      >>> state.history[0][:, :2]  # one update: the larger amaxes of the two
+      Array([[3. , 0. ],
+             [0.5, 0. ],
+             [1. , 0. ]], dtype=float32)
+    """
+    _check_fun(fun)
+    state = _check_state(state)
+    _check_has_aux(has_aux)
+    grad_fn = accumulated(
+        _with_state(fun),
+        NoOpLossScale() if loss_scale is None else loss_scale,
+        num_microbatches=num_microbatches,
+        argnums=0,
+        batch_argnums=batch_argnums,
+        has_aux=has_aux,
+        combine=("mean", "max"),  # the gradients, the new histories
+    )
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Float8State]:
+        _check_args(args, "accumulate_value_and_grad")
+        value, (grads, ct) = grad_fn((args[0], state), *args[1:], **kwargs)
+        return value, grads, _updated(state, ct)
 
     return wrapped

@@ -31,6 +31,14 @@ _DIMS = re.compile(
 _F8 = ("f8E4M3FN", "f8E5M2")
 _OUT_OK = ("bf16", "f16", "f32")
 _CUBLAS_F8 = '"__cublas$lt$matmul$f8"'
+_NONE = (
+    "  - no float8 matmul at all: the function runs nothing in float8. A "
+    "`dot_general` is a float8 site only if it has no batch dimensions and its "
+    "sizes M, K and N all reach the recipe's `min_dim` (4096 by default): lower "
+    "it (`float8=jxs.float8.CurrentScaling(min_dim=...)` or "
+    "`DelayedScaling(..., min_dim=...)`; 0 takes every eligible matmul), and "
+    "check that `fun` calls the `jxs.autocast(..., float8=...)` function."
+)
 
 
 class Float8GemmReport(NamedTuple):
@@ -51,6 +59,8 @@ class Float8GemmReport(NamedTuple):
       >>> r = jxs.float8.Float8GemmReport("gpu", 3, 3, 3, ())
       >>> r.ok
       True
+      >>> jxs.float8.Float8GemmReport("cpu", 0, 0, None, ()).ok  # no float8 at all
+      False
     """
 
     platform: str
@@ -61,8 +71,11 @@ class Float8GemmReport(NamedTuple):
 
     @property
     def ok(self) -> bool:
-        """Every float8 dot is rewritable and, on a GPU, became a float8 GEMM."""
-        if self.rewritable != self.float8_dots:
+        """There is a float8 dot, every float8 dot is rewritable and, on a GPU,
+        became a float8 GEMM. ``False`` with no float8 dot at all: float8 was
+        asked for and nothing runs in it (most often every matmul is below the
+        recipe's ``min_dim``)."""
+        if self.float8_dots == 0 or self.rewritable != self.float8_dots:
             return False
         return self.float8_gemms is None or self.float8_gemms >= self.float8_dots
 
@@ -78,6 +91,8 @@ class Float8GemmReport(NamedTuple):
             f"{'ok' if self.ok else 'NOT ok'}"
         ]
         lines += [f"  - {p}" for p in self.problems]
+        if self.float8_dots == 0:
+            lines.append(_NONE)
         return "\n".join(lines)
 
 
@@ -139,7 +154,8 @@ def gemm_report(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8Gem
       **kwargs: its keyword arguments.
 
     Returns:
-      A :class:`Float8GemmReport` (``print`` it; ``.ok`` for a check).
+      A :class:`Float8GemmReport` (``print`` it; ``.ok`` for a check: false
+      too when nothing runs in float8).
 
     Examples:
       >>> import jaxscale as jxs, jax, jax.numpy as jnp

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._accumulate import ACCUMULATING
 from jaxscale._autocast.classes import RULE_CLASSES, PluginRule
 from jaxscale._autocast.interp import AutocastWarning
 from jaxscale._autocast.rules import AutocastRule
@@ -235,14 +236,15 @@ class Recipe(PluginRule):
                     ctx.declined.append(mkn)
             return bind(eqn.primitive, params, vals)
         where = str(eqn.source_info.name_stack)
-        site = ctx.next_site(signature(params, np.shape(vals[0]), where))
+        site = ctx.next_site(signature(params, np.shape(vals[0]), where, ctx.loops))
         it.note(
             f"float8 site {len(ctx.seen) - 1}: operands {self.fwd_dtype.name}, "
             f"gradient {self.bwd_dtype.name}, "
             f"{'delayed' if site is not None else 'current'} scaling"
         )
         dims = dot_dimension_numbers(params)
-        return [float8_dot(vals[0], vals[1], dims, it.dtype, self, site)]
+        x, w = vals
+        return [float8_dot(x, w, dims, it.dtype, self, site, ctx.evaluating)]
 
     def out_infos(self, it, eqn, infos, outs):
         return _LOWER.out_infos(it, eqn, infos, outs)
@@ -310,7 +312,9 @@ class DelayedScaling(Recipe):
     and the new scale is ``max(history) / finfo.max * 2**margin`` (Transformer
     Engine's ``amax_compute_algo="max"``). The state is a pytree
     (:class:`Float8State`) made by :func:`jaxscale.float8.init` and threaded
-    through the train step by :func:`jaxscale.float8.value_and_grad`.
+    through the train step by :func:`jaxscale.float8.value_and_grad` (or
+    :func:`jaxscale.float8.accumulate_value_and_grad`, one update per
+    accumulation window).
 
     Args:
       history_len: steps of amax history per operand (Transformer Engine: 1024).
@@ -382,12 +386,20 @@ class DelayedScaling(Recipe):
         put in scope (its state, its sites)."""
         scope = current_context()
         if scope is None:
+            train = (
+                "`jxs.float8.accumulate_value_and_grad(f, state, "
+                "num_microbatches=k)(*args)` in place of "
+                "`jxs.accumulate_value_and_grad` (training with gradient "
+                "accumulation: returns the new state)"
+                if ACCUMULATING.current() is not None
+                else "`jxs.float8.value_and_grad(f, state)(*args)` (training: "
+                "returns the new state)"
+            )
             raise ValueError(
                 "`float8`: delayed scaling reads and updates a state of amax "
                 "histories, and none is in scope. Make one with "
                 "`state = jxs.float8.init(f, *args)` and call the function "
-                "through `jxs.float8.value_and_grad(f, state)(*args)` (training: "
-                "returns the new state) or `jxs.float8.apply(f, state)(*args)` "
+                f"through {train} or `jxs.float8.apply(f, state)(*args)` "
                 "(evaluation). Or use `float8=True` (current scaling: no state)."
             )
         if scope.recipe is None:  # recording for init

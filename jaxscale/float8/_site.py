@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._accumulate import ACCUMULATING
 from jaxscale._jax_private import dot_dimension_numbers
 from jaxscale._scope import Scope
 from jaxscale.float8._numerics import quantize
@@ -52,6 +53,7 @@ __all__ = [
     "broadcast_max",
     "current_context",
     "eligible",
+    "evaluating_error",
     "float8_dot",
     "gemm_form",
     "signature",
@@ -84,9 +86,12 @@ class Context:
     :func:`jaxscale.float8.init`, until an autocast sets it); ``state`` is
     ``None`` (current scaling, or recording) or the list of :class:`SiteState`
     of a delayed-scaling state, read in site order; ``signatures`` are the
-    sites the state was made for and ``seen`` those met so far. One context
-    spans every autocast call made while it is in scope (a loss that calls the
-    model twice has twice the sites).
+    sites the state was made for and ``seen`` those met so far; ``loops``
+    the lengths of the scans being traced, outermost first. ``evaluating``:
+    the state is in scope for :func:`jaxscale.float8.apply`, whose sites
+    refuse to be differentiated. One context spans every autocast call made
+    while it is in scope (a loss that calls the model twice has twice the
+    sites).
     """
 
     def __init__(
@@ -94,11 +99,15 @@ class Context:
         recipe: Any,
         state: Sequence[SiteState] | None = None,
         signatures: Sequence[str] | None = None,
+        *,
+        evaluating: bool = False,
     ):
         self.recipe = recipe
         self.state = list(state) if state is not None else None
         self.signatures = tuple(signatures) if signatures is not None else None
+        self.evaluating = evaluating
         self.seen: list[str] = []
+        self.loops: list[int] = []
         # (M, K, N) of dot_generals left in 16 bits for being below min_dim.
         self.declined: list[tuple[int, int, int]] = []
         # Scopes in which float8 is off (see :meth:`suspended`).
@@ -165,6 +174,10 @@ class Context:
         del self.seen[n:]
 
 
+_IN_SCAN = ", in a scan of length "
+_IN_SCANS = ", in scans of lengths "
+
+
 def _changed(expected: Sequence[str], seen: Sequence[str]) -> str:
     i = next(
         (k for k, (a, b) in enumerate(zip(expected, seen, strict=False)) if a != b),
@@ -176,9 +189,35 @@ def _changed(expected: Sequence[str], seen: Sequence[str]) -> str:
         "The float8 state does not fit this function: its structure changed since "
         f"`jxs.float8.init` (the state has {len(expected)} float8 site(s), the "
         f"function {'at least ' if len(seen) > len(expected) else ''}{len(seen)}"
-        f" so far; site {i}: state {want!r}, function {got!r}). Make a new state "
-        "with `jxs.float8.init` for the new function (the amax histories start "
-        "afresh), or keep the function as it was when the state was made."
+        f" so far; site {i}: state {want!r}, function {got!r}). "
+        f"{_why(want, got)}Make a new state with `jxs.float8.init` for the new "
+        "function (the amax histories start afresh), or keep the function as it "
+        "was when the state was made."
+    )
+
+
+def _why(want: str, got: str) -> str:
+    """What a difference in the scan lengths alone means."""
+    base_want, base_got = (
+        s.split(_IN_SCAN)[0].split(_IN_SCANS)[0] for s in (want, got)
+    )
+    if base_want != base_got or want == got:
+        return ""
+    if want == base_want:  # no lengths: a state from before they were recorded?
+        return (
+            "The state records no scan length for this site, which is inside a "
+            "`scan`: if it was made by an earlier jaxscale (which did not record "
+            "them), restore its checkpoint into a state made by `jxs.float8.init` "
+            "for this function (orbax and `flax.serialization` restore the arrays "
+            "and take the sites from the target). "
+        )
+    if got == base_got:
+        return "The site is no longer inside a `scan`. "
+    return (
+        "The site is inside a `scan` of another length: scanned layers (Flax "
+        "`nn.scan`) of another depth are another model, and the one history a "
+        "scanned site keeps for all its iterations is not this model's (a `scan` "
+        "over a sequence needs the length the state was made with: pad to it). "
     )
 
 
@@ -201,7 +240,7 @@ class _Loop:
     """:meth:`Context.loop`: the per-iteration state of one ``scan``."""
 
     def __init__(self, ctx: Context, length: int):
-        self.ctx, self.first = ctx, len(ctx.seen)
+        self.ctx, self.first, self.length = ctx, len(ctx.seen), length
         threads = ctx.threads_state
         states = tuple(ctx.state[self.first :]) if threads else ()
         self.xs = (ctx.recipe.over_iterations(states, length),) if threads else ()
@@ -210,14 +249,15 @@ class _Loop:
     def body(self, extra: Sequence[Any]) -> Iterator[None]:
         ctx = self.ctx
         ctx.restart_at(self.first)  # the body may be traced more than once
-        if not extra:
-            yield
-            return
-        (mine,) = extra
-        saved, ctx.state = ctx.state, [*ctx.state[: self.first], *mine]
+        saved = ctx.state
+        if extra:
+            (mine,) = extra
+            ctx.state = [*ctx.state[: self.first], *mine]
+        ctx.loops.append(self.length)
         try:
             yield
         finally:
+            ctx.loops.pop()
             ctx.state = saved
 
 
@@ -244,12 +284,21 @@ def eligible(params: Any, lhs_shape: tuple, rhs_shape: tuple, min_dim: int) -> b
     return mkn is not None and min(mkn) >= max(min_dim, 1)
 
 
-def signature(params: Any, lhs_shape: tuple, where: str) -> str:
-    """What identifies a site across traces: where it is (the name stack) and its
-    contracting size (not the batch, which may change between calls)."""
+def signature(
+    params: Any, lhs_shape: tuple, where: str, loops: Sequence[int] = ()
+) -> str:
+    """What identifies a site across traces: where it is (the name stack), its
+    contracting size (not the batch, which may change between calls) and the
+    lengths of the scans around it, outermost first (a scanned stack of layers
+    of another depth is another structure)."""
     (cx, _), _ = dot_dimension_numbers(params)
     k = math.prod(lhs_shape[d] for d in cx)
-    return f"{where or '(top level)'}: dot_general contracting {k}"
+    sig = f"{where or '(top level)'}: dot_general contracting {k}"
+    if len(loops) == 1:
+        return f"{sig}{_IN_SCAN}{loops[0]}"
+    if loops:
+        return f"{sig}{_IN_SCANS}{', '.join(map(str, loops))} (outermost first)"
+    return sig
 
 
 def _matrix(x: jax.Array, contract: Sequence[int], contract_last: bool) -> jax.Array:
@@ -268,8 +317,10 @@ def float8_dot(
     out_dtype: np.dtype,
     recipe: Any,
     site: SiteState | None,
+    evaluating: bool = False,
 ) -> jax.Array:
-    """``lax.dot_general(x, w, dimension_numbers)`` as a float8 matmul."""
+    """``lax.dot_general(x, w, dimension_numbers)`` as a float8 matmul; with
+    ``evaluating``, one whose backward raises (:func:`evaluating_error`)."""
     (cx, cw), _ = dimension_numbers
     x2 = _matrix(x, cx, contract_last=True)
     w2 = _matrix(w, cw, contract_last=False)
@@ -278,6 +329,7 @@ def float8_dot(
     ]
     state = () if site is None else tuple(site)
     key = (np.dtype(out_dtype), np.dtype(x.dtype), np.dtype(w.dtype), recipe)
+    key = (*key, evaluating)
     y = _f8_matmul(key, x2, w2, state)
     return y.reshape(out_shape)
 
@@ -321,13 +373,35 @@ def _gemm(a: jax.Array, b: jax.Array, contract: tuple, scale: jax.Array, dtype):
     return (y * scale).astype(dtype)
 
 
+def evaluating_error() -> str:
+    """The error of a site's backward under :func:`jaxscale.float8.apply`: its
+    new amaxes would be lost. The first way out is the one that fits: inside
+    ``jxs.accumulate_value_and_grad``, its float8 counterpart."""
+    one = "`jxs.float8.value_and_grad(f, state)`"
+    acc = "`jxs.float8.accumulate_value_and_grad(f, state, num_microbatches=k)`"
+    if ACCUMULATING.current() is not None:
+        train = (
+            f"{acc} in place of `jxs.accumulate_value_and_grad(jxs.float8.apply(...))`"
+        )
+        train += f" (without accumulation: {one})"
+    else:
+        train = f"{one} (accumulating gradients over micro-batches: {acc})"
+    return (
+        "`jxs.float8.apply(f, state)` is for evaluation (it reads the state and "
+        "never updates it), and its function is being differentiated: the amax "
+        f"histories of this step would be dropped silently. Train through {train}, "
+        "which returns the new state (discard it to differentiate with the state "
+        "held fixed)."
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _f8_matmul(key: tuple, x: jax.Array, w: jax.Array, state: tuple) -> jax.Array:
     return _fwd(key, x, w, state)[0]
 
 
 def _fwd(key, x, w, state):
-    out_dtype, _, _, recipe = key
+    out_dtype, _, _, recipe, _ = key
     (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1])
     qx = quantize(x, sx, recipe.fwd_dtype)
     qw = quantize(w, sw, recipe.fwd_dtype)
@@ -336,7 +410,9 @@ def _fwd(key, x, w, state):
 
 
 def _bwd(key, res, g):
-    _, x_dtype, w_dtype, recipe = key
+    _, x_dtype, w_dtype, recipe, evaluating = key
+    if evaluating:
+        raise ValueError(evaluating_error())
     qx, qw, sx, sw, ax, aw, state = res
     (sg,), (ag,) = _scales(recipe, state, [g], [2])
     qg = quantize(g, sg, recipe.bwd_dtype)
