@@ -8,7 +8,8 @@ bfloat16 autocast step:
   ``w`` and ``x`` (the forward product and both backward products), at
   ``M = 8192`` tokens and ``K = N = d`` for several ``d``: bfloat16 autocast,
   float8 current scaling, float8 delayed scaling (the state threaded through the
-  step). This is what ``min_dim``'s default rests on: below some size the
+  step). The cost model that chooses the float8 products is fitted to it
+  (``jaxscale/float8/_choice.py``): below some size the
   quantisation passes (an amax reduction and a cast per operand) cost more than
   the faster GEMM saves.
 * ``models``: whole train steps (loss, gradients, AdamW) of the decoder of

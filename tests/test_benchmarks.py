@@ -71,3 +71,36 @@ def test_float8_benchmark_tiny(tmp_path):
     assert [m[1:3] for m in models] == [("0", "0"), ("15", "15"), ("15", "15")], out
     losses = [float(m[3]) for m in models]
     assert all(abs(v - losses[0]) < 0.05 for v in losses), losses
+
+
+def test_float8_passes_benchmark_tiny(tmp_path):
+    # benchmarks/float8_passes.py --tiny: the compiled steps' kernels and bytes,
+    # float8 against bfloat16, with nothing run.
+    proc = run_script(BENCHMARKS / "float8_passes.py", "--tiny", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = re.findall(
+        r"^\| (\w+) \| ([\w0-9 ]+?) \| (\d+) \| (\d+) \((\d+)\) \| ([\d.,]+) \| "
+        r"([\d.,]+) \| [\d.]+ \([\d.]+\) \| (.+?) \| (.+?) \| (.+?) \|$",
+        out,
+        re.M,
+    )
+    variants = ["bfloat16", "float8 current", "float8 delayed", "float8 chosen"]
+    assert [r[:2] for r in rows] == [
+        (m, v) for m in ("site", "realistic") for v in variants
+    ], out
+    for model, sites in (("site", "1"), ("realistic", "5")):
+        got = {r[1]: r for r in rows if r[0] == model}
+        base = got["bfloat16"]
+        assert base[2] == "0" and base[7:] == ("-", "-", "-"), out
+        # The cost model leaves these tiny products in 16 bits: the bf16 program.
+        assert got["float8 chosen"][2:7] == base[2:7], out
+        for name in ("float8 current", "float8 delayed"):
+            row = got[name]
+            assert row[2] == sites, out
+            assert int(row[3]) > int(base[3]) and float(row[7]) > 0, out
+            assert float(row[9]) > 0, out  # more bytes: the quantisation passes
+        # Our kernel bytes and XLA's estimate agree to 1%.
+        for row in got.values():
+            ours, xla = (float(c.replace(",", "")) for c in row[5:7])
+            assert abs(ours - xla) <= 0.01 * xla + 0.1, row

@@ -235,7 +235,9 @@ def test_history_len_validation(history_len):
 def test_recipes_accept_dtype_names_and_defaults():
     r = jxs.float8.CurrentScaling(fwd_dtype="float8_e4m3fn", bwd_dtype="float8_e5m2")
     assert (r.fwd_dtype, r.bwd_dtype, r.margin) == (E4M3, E5M2, 0.0)
-    assert r.min_dim == jxs.float8.DelayedScaling().min_dim >= 1
+    # The default choice is the cost model's (min_dim None), with no patterns.
+    assert r.min_dim is jxs.float8.DelayedScaling().min_dim is None
+    assert r.sites == jxs.float8.DelayedScaling().sites == ()
     assert r == jxs.float8.CurrentScaling() and hash(r) == hash(
         jxs.float8.CurrentScaling()
     )
@@ -283,9 +285,7 @@ NOTHING_IN_FLOAT8 = r"nothing runs in float8: all 1 matmul\(s\).*below.*`min_dim
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(
-    "float8", [True, "current", jxs.float8.CurrentScaling()], ids=str
-)
+@pytest.mark.parametrize("d", [4096, 64])  # 0.3's default, and a small one
 @pytest.mark.parametrize(
     "m, k, n, site",
     [
@@ -295,10 +295,10 @@ NOTHING_IN_FLOAT8 = r"nothing runs in float8: all 1 matmul\(s\).*below.*`min_dim
         (0, 0, -1, False),
     ],
 )
-def test_min_dim_applies_to_each_of_m_k_n(float8, m, k, n, site):
-    """The default recipe's ``min_dim`` (``float8=True``), plus m, k, n."""
-    d = jxs.float8.CurrentScaling().min_dim
+def test_min_dim_applies_to_each_of_m_k_n(d, m, k, n, site):
+    """An integer ``min_dim`` (in place of the cost model), plus m, k, n."""
     m, k, n = m + d, k + d, n + d
+    float8 = jxs.float8.CurrentScaling(min_dim=d)
     f = jxs.autocast(matmul, jnp.bfloat16, float8=float8)
     if site:
         (eqn,) = dots(f, _sds(m, k), _sds(k, n))

@@ -123,6 +123,15 @@ def _section(
         lines.append(f"  ... {len(rows) - _ROWS} more rows: see report.{what}")
 
 
+def _decision(note: str) -> str:
+    """A float8 choice's note, decision first: ``float8: predicted 0.85 of
+    bfloat16 on NVIDIA H200 (site 3)``, ``16 bits: pattern 'head' says so``."""
+    if note.startswith("float8 declined: "):
+        return note[len("float8 declined: ") :]
+    head, _, why = note.partition("; ")
+    return f"{why} ({head.split(':')[0][len('float8 ') :]})" if why else note
+
+
 def render(r: Any) -> str:
     """The report ``r`` (an :class:`~jaxscale.diagnostics.AutocastReport`) as tables."""
     dts = _dtype_order(r)
@@ -169,6 +178,22 @@ def render(r: Any) -> str:
         [row[:3] + row[4:] for row in _grouped(r.norms)],
         "norms",
     )
+    if r.float8:
+        _section(
+            lines,
+            "float8 choice (matmuls without batch dimensions):",
+            ["source", "output", "decision", "location"],
+            [
+                [
+                    s.source,
+                    typed(s.dtype, s.shape),
+                    _decision(s.note),
+                    _elsewhere(s.location, s.source),
+                ]
+                for s in r.float8
+            ],
+            "float8",
+        )
     if r.deviation is not None:
         _section(
             lines,

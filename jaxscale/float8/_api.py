@@ -131,8 +131,7 @@ def init(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
 
     Raises:
       ValueError: if ``fun`` runs no autocast region with delayed scaling, or
-        that region has no float8 site (no ``dot_general`` reaches the
-        recipe's ``min_dim``).
+        that region has no float8 site (the recipe chose none).
 
     Examples:
       >>> import jaxscale as jxs, jax.numpy as jnp
@@ -153,10 +152,18 @@ def init(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8State:
             "Current scaling (`float8=True`) needs none."
         )
     if not ctx.seen:
+        md = ctx.recipe.min_dim
+        rule = (
+            "is predicted faster in float8 by the cost model"
+            if md is None
+            else f"has all sizes >= `min_dim` ({md})"
+        )
         raise ValueError(
-            "`fun` has no float8 site: no `dot_general` without batch dimensions "
-            f"has all sizes >= `min_dim` ({ctx.recipe.min_dim}). Lower `min_dim` "
-            "in the recipe, or use a 16-bit autocast."
+            f"`fun` has no float8 site: no `dot_general` without batch dimensions "
+            f"{rule}, and no pattern of the recipe's `sites` asks for one "
+            "(`jxs.diagnostics.autocast_report(..., float8=recipe)` says why for "
+            "each). Set a `min_dim` (0: every matmul without batch dimensions) or "
+            "`sites` in the recipe, or use a 16-bit autocast."
         )
     h = ctx.recipe.history_len
     return Float8State(

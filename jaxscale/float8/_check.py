@@ -33,11 +33,14 @@ _OUT_OK = ("bf16", "f16", "f32")
 _CUBLAS_F8 = '"__cublas$lt$matmul$f8"'
 _NONE = (
     "  - no float8 matmul at all: the function runs nothing in float8. A "
-    "`dot_general` is a float8 site only if it has no batch dimensions and its "
-    "sizes M, K and N all reach the recipe's `min_dim` (4096 by default): lower "
-    "it (`float8=jxs.float8.CurrentScaling(min_dim=...)` or "
-    "`DelayedScaling(..., min_dim=...)`; 0 takes every eligible matmul), and "
-    "check that `fun` calls the `jxs.autocast(..., float8=...)` function."
+    "`dot_general` is a float8 site only if it has no batch dimensions and the "
+    "recipe chooses it: by default where the cost model predicts float8 faster on "
+    "this device kind (`jxs.diagnostics.autocast_report(fun, dtype, "
+    "float8=recipe)` says why for each matmul), or, with a `min_dim`, where M, K "
+    "and N all reach it. To use float8 anyway, set `min_dim` and lower it "
+    "(`float8=jxs.float8.CurrentScaling(min_dim=0)` takes every eligible matmul) "
+    "or name the sites (`CurrentScaling(sites={'mlp': True})`), and check that "
+    "`fun` calls the `jxs.autocast(..., float8=...)` function."
 )
 
 
@@ -73,8 +76,8 @@ class Float8GemmReport(NamedTuple):
     def ok(self) -> bool:
         """There is a float8 dot, every float8 dot is rewritable and, on a GPU,
         became a float8 GEMM. ``False`` with no float8 dot at all: float8 was
-        asked for and nothing runs in it (most often every matmul is below the
-        recipe's ``min_dim``)."""
+        asked for and nothing runs in it (most often every matmul is too small
+        to gain from float8, as the recipe judges)."""
         if self.float8_dots == 0 or self.rewritable != self.float8_dots:
             return False
         return self.float8_gemms is None or self.float8_gemms >= self.float8_dots

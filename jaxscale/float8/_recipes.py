@@ -16,6 +16,7 @@ evaluation comes from (:meth:`Recipe.begin`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Sequence
 from types import MappingProxyType
@@ -30,14 +31,20 @@ from jaxscale._autocast.classes import RULE_CLASSES, PluginRule
 from jaxscale._autocast.interp import AutocastWarning
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import dtype_of, is_castable
-from jaxscale._jax_private import bind, dot_dimension_numbers
+from jaxscale._jax_private import dot_dimension_numbers
+from jaxscale.float8._choice import (
+    Choice,
+    check_device_kind,
+    check_sites,
+    choose,
+    current_device,
+)
 from jaxscale.float8._numerics import E4M3, E5M2, amax, scale_from_amax
 from jaxscale.float8._site import (
     Context,
     SiteState,
     broadcast_max,
     current_context,
-    eligible,
     float8_dot,
     signature,
     sizes,
@@ -68,12 +75,14 @@ def _float8_dtype(value: Any, name: str) -> np.dtype:
     return dt
 
 
-def _min_dim(value: Any) -> int:
+def _min_dim(value: Any) -> int | None:
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(
-            f"`min_dim` must be an int >= 0 (the smallest contracting and output "
-            f"dimension a float8 matmul may have), got {type(value).__name__} "
-            f"{value!r}."
+            f"`min_dim` must be None (the cost model chooses) or an int >= 0 (the "
+            f"smallest contracting and output dimension a float8 matmul may "
+            f"have), got {type(value).__name__} {value!r}."
         )
     if value < 0:
         raise ValueError(f"`min_dim` must be >= 0, got {value}.")
@@ -96,12 +105,17 @@ class Recipe(PluginRule):
     """The base of the float8 recipes: a rule class for ``dot_general``.
 
     Under ``jxs.autocast(f, dtype, float8=recipe)``, a ``dot_general`` without
-    batch dimensions whose contracting size and both free sizes reach
-    ``min_dim`` is a float8 *site*: its operands are quantised to
-    ``fwd_dtype`` with one scale each, its incoming gradient to ``bwd_dtype``,
-    and its three products run on float8 operands; any other ``dot_general``
-    runs in ``dtype`` (the ``"lower"`` rule). The operands are not cast
-    first: each is quantised from its own dtype.
+    batch dimensions is a *candidate*, and a float8 *site* if the recipe
+    chooses it: by the first of ``sites``' patterns found in its name stack;
+    else, with an integer ``min_dim``, if its contracting size and both free
+    sizes reach it; else (``min_dim=None``, the default) if the cost model
+    predicts its float8 products, quantisation included, faster than 16-bit
+    ones on the device kind (``docs/float8.md``: "Which matmuls run in
+    float8"). A site's operands are quantised to ``fwd_dtype`` with one scale
+    each, its incoming gradient to ``bwd_dtype``, and its three products run on
+    float8 operands; any other ``dot_general`` runs in ``dtype`` (the
+    ``"lower"`` rule). The operands are not cast first: each is quantised from
+    its own dtype.
 
     A recipe is one subclass (frozen dataclass fields are its configuration)
     that defines :meth:`scale`, and, if it keeps state across steps,
@@ -114,10 +128,19 @@ class Recipe(PluginRule):
       bwd_dtype: the float8 dtype of the gradient in the backward (float8_e5m2).
       margin: scales are multiplied by ``2**margin`` (headroom: a positive
         margin leaves room for values larger than the amax).
-      min_dim: a matmul runs in float8 only if its contracting size and both
-        output sizes are at least this (smaller products gain nothing from
-        float8 and lose accuracy; ``docs/float8.md`` gives the measurement).
-        0 puts every eligible matmul in float8.
+      min_dim: ``None`` (the cost model chooses per matmul from its shape,
+        operand dtypes and the device kind), or an int: a matmul runs in float8
+        if its contracting size and both output sizes are at least this (0 puts
+        every candidate in float8).
+      sites: per-site choices that come first: a dict (or a tuple of pairs) of
+        regular expressions searched (``re.search``) in the candidate's name
+        stack (Flax module paths such as ``"GPT/Block_0/mlp_up"``,
+        ``jax.named_scope`` names; ``""`` at the top level) to ``True`` (float8)
+        or ``False`` (16 bits); the first that matches decides. A product with
+        batch dimensions never runs in float8.
+      device_kind: the device kind whose figures the cost model uses (as
+        ``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``); ``None``:
+        the kind of the device JAX runs on, resolved once per autocast call.
 
     Examples:
       A recipe of your own: scales that are powers of two (exact to apply).
@@ -141,7 +164,9 @@ class Recipe(PluginRule):
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
     margin: float = 0.0
-    min_dim: int = 4096
+    min_dim: int | None = None
+    sites: Any = ()
+    device_kind: str | None = None
 
     # Whether sites read a state threaded through the train step.
     needs_state: ClassVar[bool] = False
@@ -161,6 +186,8 @@ class Recipe(PluginRule):
             ("bwd_dtype", bwd),
             ("margin", _margin(self.margin)),
             ("min_dim", _min_dim(self.min_dim)),
+            ("sites", check_sites(self.sites)),
+            ("device_kind", check_device_kind(self.device_kind)),
         ):
             object.__setattr__(self, name, value)
 
@@ -211,36 +238,78 @@ class Recipe(PluginRule):
         """The trace-time context of one autocast evaluation: its own sites."""
         return Context(self)
 
-    def _is_site(self, it: Any, eqn: Any, vals: list[Any]) -> bool:
+    def _choose(self, it: Any, eqn: Any, vals: list[Any]) -> Choice | None:
+        """Whether a ``dot_general`` runs in float8, and why (:func:`choose`);
+        ``None`` for an equation that is no candidate, unless a pattern asked
+        for float8 there."""
         ctx = it.extension
-        return (
-            ctx is not None
-            and not ctx.paused
-            and eqn.primitive.name == "dot_general"
-            and len(vals) == 2
-            and all(is_castable(dtype_of(v)) for v in vals)
-            and eligible(eqn.params, np.shape(vals[0]), np.shape(vals[1]), self.min_dim)
-        )
+        if (
+            ctx is None
+            or ctx.paused
+            or eqn.primitive.name != "dot_general"
+            or len(vals) != 2
+            or not all(is_castable(dtype_of(v)) for v in vals)
+        ):
+            return None
+        where = str(eqn.source_info.name_stack)
+        mkn = sizes(eqn.params, np.shape(vals[0]), np.shape(vals[1]))
+        if mkn is None:  # batch dimensions: 16 bits, said where it was asked for
+            asked = next((p for p, f in self.sites if f and re.search(p, where)), None)
+            why = f"16 bits: pattern '{asked}' asks for float8, but the product "
+            why += "has batch dimensions (a float8 GEMM takes none)"
+            return None if asked is None else Choice(False, why, "pattern")
+        if min(mkn) < 1:
+            return None
+
+        def device() -> Any:
+            if ctx.device is None:
+                ctx.device = current_device(self.device_kind)
+            return ctx.device
+
+        nbytes = tuple(np.dtype(dtype_of(v)).itemsize for v in vals)
+        return choose(self, where, mkn, nbytes, device, it.dtype.name)
+
+    def _chosen(self, it: Any, eqn: Any, vals: list[Any]) -> Choice | None:
+        """The choice :meth:`cast_operands` made for ``eqn`` (after it, the
+        operands of a product left in 16 bits are cast)."""
+        ctx = it.extension
+        if ctx is not None and ctx.choice is not None and ctx.choice[0] is eqn:
+            return ctx.choice[1]
+        return self._choose(it, eqn, vals)
 
     def cast_operands(self, it, eqn, vals, infos, traced):
-        if self._is_site(it, eqn, vals):
+        choice = self._choose(it, eqn, vals)
+        if it.extension is not None:
+            it.extension.choice = (eqn, choice)
+        if choice is not None and choice.float8:
             return vals, None
         return _LOWER.cast_operands(it, eqn, vals, infos, traced)
 
+    def adjust_params(self, it, eqn, vals, traced):
+        choice = self._chosen(it, eqn, vals)
+        if choice is not None and choice.float8:
+            return super().adjust_params(it, eqn, vals, traced)
+        return _LOWER.adjust_params(it, eqn, vals, traced)
+
     def emit(self, it, eqn, params, vals):
+        """A site as a float8 product; any other ``dot_general`` exactly as
+        16-bit autocast runs it (the ``"lower"`` rule)."""
         ctx = it.extension
-        if not self._is_site(it, eqn, vals):
-            if ctx is not None and not ctx.paused and len(vals) == 2:
-                mkn = sizes(params, np.shape(vals[0]), np.shape(vals[1]))
-                if mkn is not None:  # too small: 16 bits (a warning if all are)
-                    ctx.declined.append(mkn)
-            return bind(eqn.primitive, params, vals)
+        choice = self._chosen(it, eqn, vals)
+        if choice is None or not choice.float8:
+            if choice is not None:
+                it.note(f"float8 declined: {choice.why}")
+                if choice.by != "pattern":  # its size: a warning if all are
+                    ctx.declined.append(
+                        sizes(params, np.shape(vals[0]), np.shape(vals[1]))
+                    )
+            return _LOWER.emit(it, eqn, params, vals)
         where = str(eqn.source_info.name_stack)
         site = ctx.next_site(signature(params, np.shape(vals[0]), where, ctx.loops))
         it.note(
             f"float8 site {len(ctx.seen) - 1}: operands {self.fwd_dtype.name}, "
             f"gradient {self.bwd_dtype.name}, "
-            f"{'delayed' if site is not None else 'current'} scaling"
+            f"{'delayed' if site is not None else 'current'} scaling; {choice.why}"
         )
         dims = dot_dimension_numbers(params)
         x, w = vals
@@ -266,13 +335,21 @@ class CurrentScaling(Recipe):
       fwd_dtype: as :class:`Recipe` (float8_e4m3fn).
       bwd_dtype: as :class:`Recipe` (float8_e5m2).
       margin: as :class:`Recipe`.
-      min_dim: as :class:`Recipe` (4096).
+      min_dim: as :class:`Recipe` (``None``: the cost model chooses).
+      sites: as :class:`Recipe`.
+      device_kind: as :class:`Recipe`.
 
     Examples:
       >>> import jaxscale as jxs
       >>> recipe = jxs.float8.CurrentScaling(min_dim=0)
       >>> recipe.fwd_dtype, recipe.bwd_dtype
       (dtype(float8_e4m3fn), dtype(float8_e5m2))
+
+      By default the cost model chooses; patterns of the name stack come first:
+
+      >>> recipe = jxs.float8.CurrentScaling(sites={"head": False, "mlp": True})
+      >>> recipe.min_dim, recipe.sites
+      (None, (('head', False), ('mlp', True)))
     """
 
     names = (True, "current")
@@ -282,19 +359,29 @@ class CurrentScaling(Recipe):
         return scale_from_amax(a, self.dtype_of(role), self.margin), a
 
     def end(self, extension: Context) -> None:
-        """Warns when no matmul ran in float8 because all were below
-        ``min_dim``."""
+        """Warns when no matmul ran in float8 because of its size (below
+        ``min_dim``, or predicted slower by the cost model)."""
         ctx = extension
         if ctx.seen or not ctx.declined:
             return
         m, k, n = max(ctx.declined, key=min)
+        if self.min_dim is not None:
+            why = (
+                f"have a size below the recipe's `min_dim` ({self.min_dim}; the "
+                f"largest is M={m}, K={k}, N={n})"
+            )
+        else:
+            name = ctx.device[1] if ctx.device is not None else "this device"
+            why = (
+                f"are predicted slower in float8 than in 16 bits on {name} by the "
+                f"cost model (the largest is M={m}, K={k}, N={n})"
+            )
         warnings.warn(
-            "jxs.autocast(float8=...): nothing runs in float8: all "
-            f"{len(ctx.declined)} matmul(s) without batch dimensions have a size "
-            f"below the recipe's `min_dim` ({self.min_dim}; the largest is M={m}, "
-            f"K={k}, N={n}), so they run in 16 bits. Below that size float8 is "
-            "slower on a GPU (docs/float8.md); pass "
-            "`float8=jxs.float8.CurrentScaling(min_dim=0)` to use it anyway.",
+            f"jxs.autocast(float8=...): nothing runs in float8: all "
+            f"{len(ctx.declined)} matmul(s) without batch dimensions {why}, so "
+            "they run in 16 bits (docs/float8.md: which matmuls run in float8). "
+            "Pass `float8=jxs.float8.CurrentScaling(min_dim=0)` to use float8 "
+            "anyway, or `sites={pattern: True}` for some of them.",
             AutocastWarning,
             stacklevel=3,
         )
@@ -322,6 +409,8 @@ class DelayedScaling(Recipe):
       bwd_dtype: as :class:`CurrentScaling`.
       margin: as :class:`CurrentScaling`.
       min_dim: as :class:`CurrentScaling`.
+      sites: as :class:`CurrentScaling`.
+      device_kind: as :class:`CurrentScaling`.
 
     Examples:
       >>> import jaxscale as jxs
@@ -414,9 +503,5 @@ class DelayedScaling(Recipe):
 
     def for_report(self) -> CurrentScaling:
         """Current scaling with the same fields (a report has no state)."""
-        return CurrentScaling(
-            fwd_dtype=self.fwd_dtype,
-            bwd_dtype=self.bwd_dtype,
-            margin=self.margin,
-            min_dim=self.min_dim,
-        )
+        fields = dataclasses.fields(Recipe)
+        return CurrentScaling(**{f.name: getattr(self, f.name) for f in fields})

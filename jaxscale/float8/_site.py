@@ -110,8 +110,13 @@ class Context:
         self.evaluating = evaluating
         self.seen: list[str] = []
         self.loops: list[int] = []
-        # (M, K, N) of dot_generals left in 16 bits for being below min_dim.
+        # (M, K, N) of dot_generals left in 16 bits for their size (below
+        # min_dim, or slower by the cost model of float8/_choice.py).
         self.declined: list[tuple[int, int, int]] = []
+        # The cost model's device figures, resolved at the first candidate; the
+        # choice made for the dot_general between its cast and its emission.
+        self.device: Any = None
+        self.choice: Any = None
         # Scopes in which float8 is off (see :meth:`suspended`).
         self.paused = 0
 

@@ -1,0 +1,322 @@
+"""The passes float8 adds to a train step, counted on the compiled program.
+
+Issue 32, item 1: each change to how float8 quantises (fusing the amax and the
+cast into the producer, quantising a weight once per step, transposes) should
+be measured without a GPU. This script compiles, without running them, the
+train steps of ``benchmarks/float8.py`` (the one-site sweep's step, and whole
+Flax decoders from ``benchmarks/gpu.py`` with AdamW) under bfloat16 autocast
+and under float8, and counts in each compiled program, as
+``benchmarks/overhead.py`` does for loss scaling:
+
+* **kernels**: the instructions the entry computation (and the computations it
+  calls) executes that touch memory: fusions, and copies, transposes, dots,
+  reductions, converts outside a fusion (parameters, constants, tuples and
+  bitcasts are free); **fusions** among them;
+* **bytes**: per kernel, its output plus its operands (XLA's convention for a
+  fusion), summed: what the step moves if every kernel reads its operands and
+  writes its output once; and XLA's own estimate, ``cost_analysis()["bytes
+  accessed"]``.
+
+Each float8 variant's row gives what it adds to the bfloat16 step: kernels and
+bytes per float8 site, and the added bytes in *16-bit passes over the sites'
+matrices* (``2 * (MK + KN + MN)`` bytes per site: 1.0 means the step moves each
+site's activation, weight and output once more at 16 bits). The compile time of
+each step is printed too (the issue's target: 1.5 times bfloat16's at most).
+
+XLA:CPU is not XLA:GPU: it computes float8 products in float32 (a convert
+fused into the dot) and fuses differently, so the counts are the mechanism on
+this compiler, not a GPU's kernel count. They are stable from run to run (no
+timing), which is what measuring a change needs.
+
+Variants: ``bfloat16`` (autocast), ``float8 current`` and ``float8 delayed``
+with every matmul without batch dimensions in float8 (``min_dim=0``), and
+``float8 chosen`` (current scaling, the default choice of the cost model for an
+H200: only the products it predicts faster).
+
+Run::
+
+    python benchmarks/float8_passes.py            # full sizes, compile only
+    python benchmarks/float8_passes.py --tiny     # small sizes (the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import gpu  # noqa: E402 (after the path)
+
+import jaxscale as jxs  # noqa: E402
+
+BF16 = jnp.bfloat16
+SDS = jax.ShapeDtypeStruct
+VARIANTS = ("bfloat16", "float8 current", "float8 delayed", "float8 chosen")
+MODELS = {
+    "full": {
+        "site": (8192, 4096),  # M, d of the sweep's step: K = N = d
+        "realistic": gpu.Size(1, 768, 12, 3072, 50304, 1024, 8),  # 1 of 12 layers
+        "wide": gpu.Size(1, 4096, 32, 16384, 32768, 1024, 4),  # 1 of 4 layers
+    },
+    "tiny": {
+        "site": (64, 64),
+        "realistic": gpu.Size(1, 64, 4, 256, 512, 64, 2),
+    },
+}
+
+
+def recipes() -> dict[str, Any]:
+    return {
+        "bfloat16": None,
+        "float8 current": jxs.float8.CurrentScaling(min_dim=0),
+        "float8 delayed": jxs.float8.DelayedScaling(16, min_dim=0),
+        "float8 chosen": jxs.float8.CurrentScaling(device_kind="NVIDIA H200"),
+    }
+
+
+# --------------------------------------------------------------------------- #
+# The steps, on abstract arguments (nothing is allocated or run)
+# --------------------------------------------------------------------------- #
+
+
+def site_problem(m: int, d: int) -> tuple[Callable[..., Any], tuple, bool]:
+    """The sweep's step: ``sum((x @ w) * r)``, gradients of ``(w, x)``."""
+
+    def loss(wx, r):
+        w, x = wx
+        return jnp.sum((x @ w) * r)
+
+    f32 = jnp.float32
+    return loss, ((SDS((d, d), f32), SDS((m, d), f32)), SDS((m, d), f32)), False
+
+
+def model_problem(size: gpu.Size) -> tuple[Callable[..., Any], tuple, bool]:
+    """A decoder's loss of ``(params, x, y)``, trained with AdamW."""
+    net = gpu.GPT(size)
+    tokens = SDS((size.batch, size.seq), jnp.int32)
+    params = jax.eval_shape(net.init, jax.random.key(0), tokens)
+
+    def loss(params, x, y):
+        return gpu.cross_entropy(net.apply(params, x), y)
+
+    return loss, (params, tokens, tokens), True
+
+
+def step_of(
+    loss: Callable[..., Any], recipe: Any, args: tuple, train: bool
+) -> tuple[Any, tuple]:
+    """The jitted step of a variant (``train``: AdamW; else the sweep's, the
+    gradients fed back scaled down) and its abstract arguments."""
+    f = jxs.autocast(loss, BF16, float8=recipe)
+    delayed = isinstance(recipe, jxs.float8.DelayedScaling)
+    state = jxs.float8.init(f, *args) if delayed else None
+    tx = optax.adamw(gpu.LR, weight_decay=gpu.WEIGHT_DECAY)
+
+    def step(params, opt_state, st, *batch):
+        if delayed:
+            loss_, grads, st = jxs.float8.value_and_grad(f, st)(params, *batch)
+        else:
+            loss_, grads = jax.value_and_grad(f)(params, *batch)
+        if not train:
+            new = jax.tree.map(lambda a, g: a - 1e-6 * g.astype(a.dtype), params, grads)
+            return new, opt_state, st, loss_
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, st, loss_
+
+    opt_state = jax.eval_shape(tx.init, args[0]) if train else ()
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    return jitted, (args[0], opt_state, state, *args[1:])
+
+
+# --------------------------------------------------------------------------- #
+# The accounting
+# --------------------------------------------------------------------------- #
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2,
+          "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+_CALLS = re.compile(r"\b(?:to_apply|body|condition|calls)=%?([\w.\-]+)")
+_STABLEHLO_DOT = re.compile(
+    r"stablehlo\.dot_general.*?:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*"
+    r"(tensor<[^>]*>)"
+)
+
+
+def _bytes_of(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        total += int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES[dtype]
+    return total
+
+
+def kernels(hlo: str) -> tuple[collections.Counter, int]:
+    """The kernels on the executed path of a compiled module, by opcode, and
+    the bytes they move (each: output plus operands)."""
+    comps: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+            comps[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None and " = " in line:
+            comps[current].append(line)
+    ops: collections.Counter = collections.Counter()
+    nbytes = 0
+
+    def walk(name: str) -> None:
+        nonlocal nbytes
+        shapes: dict[str, str] = {}
+        for line in comps.get(name, []):
+            var, rhs = line.split(" = ", 1)
+            var = var.split()[-1].lstrip("%")
+            m = re.match(r"(.*?) ([\w\-]+)\((.*)$", rhs)
+            if not m:
+                continue
+            out_type, op, rest = m.groups()
+            shapes[var] = out_type
+            if op in ("call", "while", "conditional"):
+                for callee in _CALLS.findall(rest):
+                    walk(callee)
+                continue
+            if op in _FREE:
+                continue
+            ops[op] += 1
+            args = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            nbytes += _bytes_of(out_type) + sum(
+                _bytes_of(shapes.get(a, "")) for a in args
+            )
+
+    if entry is not None:
+        walk(entry)
+    return ops, nbytes
+
+
+def site_elements(lowered: str) -> tuple[int, int]:
+    """Float8 sites of a lowered program and the elements of their matrices
+    (``MK + KN + MN`` each), from its float8 ``dot_general``s (three per site,
+    each touching the three matrices once)."""
+    dots, elements = 0, 0
+    for line in lowered.splitlines():
+        m = _STABLEHLO_DOT.search(line)
+        if m and ("f8E4M3FN" in line or "f8E5M2" in line):
+            dots += 1
+            for t in m.groups():
+                dims = t[len("tensor<") : -1].split("x")[:-1]
+                elements += int(np.prod([int(d) for d in dims]))
+    return round(dots / 3), elements // 3
+
+
+def measure(step: Any, args: tuple) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    lowered = step.lower(*args)
+    compiled = lowered.compile()
+    secs = time.perf_counter() - t0
+    ops, nbytes = kernels(compiled.as_text())
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    sites, elements = site_elements(lowered.as_text())
+    return {
+        "kernels": sum(ops.values()),
+        "fusions": ops["fusion"],
+        "bytes": nbytes,
+        "xla_bytes": float(cost.get("bytes accessed", 0.0)),
+        "compile": secs,
+        "sites": sites,
+        "elements": elements,
+    }
+
+
+HEADER = (
+    "| model | variant | float8 sites | kernels (fusions) | kernel MiB | XLA bytes "
+    "accessed MiB | compile s (vs bf16) | extra kernels per site | extra MiB per "
+    "site | extra bytes, 16-bit passes over the sites' matrices |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def rows(model: str, got: dict[str, dict[str, Any]]) -> list[str]:
+    mib = 2.0**20
+    base = got["bfloat16"]
+    out = []
+    for name in VARIANTS:
+        r = got[name]
+        cells = [
+            model,
+            name,
+            str(r["sites"]),
+            f"{r['kernels']} ({r['fusions']})",
+            f"{r['bytes'] / mib:,.1f}",
+            f"{r['xla_bytes'] / mib:,.1f}",
+            f"{r['compile']:.1f} ({r['compile'] / base['compile']:.2f})",
+        ]
+        if name == "bfloat16" or not r["sites"]:
+            cells += ["-", "-", "-"]
+        else:
+            extra = r["bytes"] - base["bytes"]
+            cells += [
+                f"{(r['kernels'] - base['kernels']) / r['sites']:+.1f}",
+                f"{extra / r['sites'] / mib:+,.1f}",
+                f"{extra / (2 * r['elements']):+.2f}",
+            ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small sizes")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["site", "realistic", "wide"],
+        help="default: all",
+    )
+    args = parser.parse_args(argv)
+    mode = "tiny" if args.tiny else "full"
+    dev = jax.devices()[0]
+    print(
+        f"env: jax {jax.__version__}, jaxscale {jxs.__version__}, device "
+        f"{dev.device_kind} ({dev.platform}); compiled, not run"
+    )
+    lines = [HEADER]
+    for model, size in MODELS[mode].items():
+        if args.models and model not in args.models:
+            continue
+        loss, problem, train = (
+            site_problem(*size) if model == "site" else model_problem(size)
+        )
+        got = {}
+        for name, recipe in recipes().items():
+            step, step_args = step_of(loss, recipe, problem, train)
+            with warnings.catch_warnings():  # "nothing runs in float8": a row says so
+                warnings.simplefilter("ignore", jxs.AutocastWarning)
+                got[name] = measure(step, step_args)
+            gpu.log(f"{model}: {name}: {got[name]}")
+        lines += rows(model, got)
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
