@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -180,23 +179,24 @@ def test_flax_sync_batch_norm_under_pmap_normalises_in_float16():
     np.testing.assert_allclose(got, ref, rtol=2e-2)
 
 
-class EqxSyncNet(eqx.Module):
-    l1: eqx.nn.Linear
-    bn: eqx.nn.BatchNorm
-    l2: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.l1 = eqx.nn.Linear(16, 256, key=k1)
-        self.bn = eqx.nn.BatchNorm(256, axis_name="batch", mode="batch")
-        self.l2 = eqx.nn.Linear(256, 1, key=k2)
-
-    def __call__(self, x, state):
-        h, state = self.bn(self.l1(x), state)
-        return self.l2(jax.nn.relu(h)), state
-
-
 def test_equinox_batch_norm_over_a_vmap_axis_normalises_in_float16():
+    eqx = pytest.importorskip("equinox")  # not on the dependency floors
+
+    class EqxSyncNet(eqx.Module):
+        l1: eqx.nn.Linear
+        bn: eqx.nn.BatchNorm
+        l2: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.l1 = eqx.nn.Linear(16, 256, key=k1)
+            self.bn = eqx.nn.BatchNorm(256, axis_name="batch", mode="batch")
+            self.l2 = eqx.nn.Linear(256, 1, key=k2)
+
+        def __call__(self, x, state):
+            h, state = self.bn(self.l1(x), state)
+            return self.l2(jax.nn.relu(h)), state
+
     model, state = eqx.nn.make_with_state(EqxSyncNet)(jax.random.key(2))
     params, static = eqx.partition(model, eqx.is_inexact_array)
     x = jax.random.normal(jax.random.key(3), (64, 16))
