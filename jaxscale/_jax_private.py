@@ -63,6 +63,7 @@ __all__ = [
     "WhileParts",
     "bind",
     "call_body",
+    "call_like_body",
     "close",
     "combiner",
     "cond_branches",
@@ -436,6 +437,25 @@ def custom_vjp_parts(eqn: Any) -> CustomVjpParts | None:
     return CustomVjpParts(
         close(p["call_jaxpr"]), p["num_consts"], forward, residuals, backward
     )
+
+
+def call_like_body(eqn: Any) -> Any:
+    """The closed body of a call-like equation (``jit``, a call,
+    ``checkpoint``, a custom derivative's function), whose inputs and outputs
+    are the equation's, one to one; ``None`` for any other."""
+    construct = construct_of(eqn.primitive)
+    if construct == "jit":
+        return jit_body(eqn)
+    if construct == "call":
+        return call_body(eqn)
+    parts = {
+        "remat": remat_parts,
+        "custom_jvp": custom_jvp_parts,
+        "custom_vjp": custom_vjp_parts,
+    }.get(construct, lambda _: None)(eqn)
+    if parts is None:
+        return None
+    return parts.body if construct == "remat" else parts.call
 
 
 class ShardMapParts(NamedTuple):

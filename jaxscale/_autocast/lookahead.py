@@ -33,14 +33,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxscale._autocast.rules import AutocastRule
-from jaxscale._jax_private import (
-    call_body,
-    construct_of,
-    custom_jvp_parts,
-    custom_vjp_parts,
-    jit_body,
-    remat_parts,
-)
+from jaxscale._jax_private import call_like_body
 
 __all__ = ["PASSES", "SCALINGS", "widened"]
 
@@ -80,26 +73,6 @@ def _combine(a: int, b: int) -> int:
     return min(a, b) if _NO in (a, b) else max(a, b)
 
 
-def _body(eqn: Any) -> Any:
-    """The closed body of a call-like equation whose inputs and outputs are the
-    equation's, one to one; ``None`` for any other."""
-    construct = construct_of(eqn.primitive)
-    if construct == "jit":
-        return jit_body(eqn)
-    if construct == "call":
-        return call_body(eqn)
-    if construct == "remat":
-        parts = remat_parts(eqn)
-        return None if parts is None else parts.body
-    if construct == "custom_jvp":
-        parts = custom_jvp_parts(eqn)
-        return None if parts is None else parts.call
-    if construct == "custom_vjp":
-        parts = custom_vjp_parts(eqn)
-        return None if parts is None else parts.call
-    return None
-
-
 def _verdicts(
     jaxpr: Any, is_float32: Callable[[str], bool], outer: Sequence[bool]
 ) -> dict[Any, int]:
@@ -127,7 +100,7 @@ def _verdicts(
                 for i in range(len(eqn.invars))
             ]
         else:
-            body = _body(eqn)
+            body = call_like_body(eqn)
             if body is None or len(body.jaxpr.invars) != len(eqn.invars):
                 verdicts = [_NO] * len(eqn.invars)
             else:

@@ -37,14 +37,12 @@ from jaxscale._autocast.interp import (
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import Info, cast, dtype_of, floating, is_castable
 from jaxscale._jax_private import (
-    call_body,
+    call_like_body,
     construct_of,
     custom_jvp_parts,
     custom_vjp_parts,
-    jit_body,
     name_stack_text,
     rebind,
-    remat_parts,
     user_frame,
     while_parts,
 )
@@ -491,28 +489,10 @@ def _inline(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> An
     """A call-like higher-order equation (``jit``, ``checkpoint``, custom
     derivatives) evaluated in place, so its values stay concrete; its forward
     is the same as the handler's."""
-    sub = _inline_body(eqn)
+    sub = call_like_body(eqn)
     if sub is not None and len(sub.in_avals) == len(vals):
         return it.eval_closed(sub, vals, infos)
     return HANDLERS[construct_of(eqn.primitive)](it, eqn, vals, infos)
-
-
-def _inline_body(eqn: Any) -> Any:
-    """The body of a call-like equation, run in place of the call."""
-    construct = construct_of(eqn.primitive)
-    if construct == "jit":
-        return jit_body(eqn)
-    if construct == "call":
-        return call_body(eqn)
-    if construct == "remat":
-        parts = remat_parts(eqn)
-        return parts.body if parts is not None else None
-    if construct in ("custom_jvp", "custom_vjp"):
-        parts = (custom_jvp_parts if construct == "custom_jvp" else custom_vjp_parts)(
-            eqn
-        )
-        return parts.call if parts is not None else None
-    return None
 
 
 # The handlers of the comparison: the call-like constructs evaluated in place.
