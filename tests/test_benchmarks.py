@@ -91,6 +91,9 @@ def test_step_account_tiny(tmp_path):
         )
         assert totals, out
         assert int(totals.group(1)) > 0 and int(totals.group(2)) > 0
+        # One read of the float32 gradients is 4 bytes a parameter; a CPU
+        # also writes and reads a one-byte mask per element and stacks it.
+        assert float(totals.group(3)) <= 12.0, totals.group(0)
         assert re.search(rf"^\| {model} \| [\d,]+ \| \d+ \| \d+ -> \d+", out, re.M)
         for name in ("bare", "scaled"):
             assert (tmp_path / "hlo" / f"{model}_{name}.hlo.txt").stat().st_size > 0
