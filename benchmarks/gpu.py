@@ -86,6 +86,11 @@ Printed (stdout; progress goes to stderr):
   instructions of its optimized HLO and how many sit inside a CUDA-graph command
   buffer (a computation whose name contains ``command_buffer``, or one called
   from it), the number of command buffers, and the temporary memory;
+* ``account:`` lines: for each model, float16 cast by hand and through
+  autocast, the kernels of the compiled step with ``dynamic_scaling`` against
+  the bare one, from their optimized HLO (``benchmarks/step_account.py``: the
+  totals, the kinds of kernel that changed, the kernels added and removed,
+  with the bytes each reads and writes);
 * ``scaling:`` lines: skipped steps and the final loss scale;
 * ``FAILED:`` lines, if a model or the torch child failed (the rest is still
   printed; the exit code is then 1).
@@ -144,6 +149,9 @@ if str(ROOT) not in sys.path:  # run from anywhere, jaxscale from this checkout
     sys.path.insert(0, str(ROOT))
 
 import jaxscale as jxs  # noqa: E402 (after the path)
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the sibling step_account.py
+import step_account  # noqa: E402 (after the path)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -520,11 +528,12 @@ def run_jax_model(
     tokens = jax.random.randint(key_d, (size.batch, size.seq + 1), 0, size.vocab)
     batch = (tokens[:, :-1], tokens[:, 1:])
     params0 = jax.jit(GPT(size).init)(key_p, batch[0])
+    n_leaves = len(jax.tree.leaves(params0))
     n_params = sum(x.size for x in jax.tree.leaves(params0))
     log(f"{model}: {n_params:,} parameters; {size.describe()}")
 
     fns = loss_fns(size)
-    steps, carry, compile_s, census, memory = {}, {}, {}, {}, {}
+    steps, carry, compile_s, census, memory, kernels = {}, {}, {}, {}, {}, {}
     for name in VARIANTS:
         jitted, tx = make_step(fns[name], "dynamic_scaling" in name)
         params = jax.tree.map(jnp.copy, params0)
@@ -535,7 +544,9 @@ def run_jax_model(
         compiled = compile_with(lowered, options)
         t2 = time.perf_counter()
         compile_s[name] = (t1 - t0, t2 - t1)
-        census[name] = hlo_census(compiled.as_text())
+        text = compiled.as_text()
+        census[name] = hlo_census(text)
+        kernels[name] = step_account.kernels(text)
         mem = compiled.memory_analysis()
         memory[name] = getattr(mem, "temp_size_in_bytes", None)
 
@@ -575,6 +586,9 @@ def run_jax_model(
         "compile": compile_s,
         "census": census,
         "memory": memory,
+        "kernels": kernels,
+        "n_params": n_params,
+        "leaves": n_leaves,
         "blocking": blocking,
         "scaling": scaling,
     }
@@ -904,6 +918,18 @@ def report(
                         f"hlo {op}: {model} | {name} | %{var} in %{comp} | "
                         f"in a command buffer: {'yes' if cb else 'no'}"
                     )
+
+    for model, res in results.items():
+        for kind in ("hand", "autocast"):
+            found = res["kernels"]
+            acc = step_account.Account(
+                model=f"{model} {kind}",
+                n_params=res["n_params"],
+                leaves=res["leaves"],
+                bare=found[f"float16 {kind} bare"],
+                ours=found[f"float16 {kind} + dynamic_scaling"],
+            )
+            print("\n".join(acc.lines(top=6)))
 
     for model, res in results.items():
         for name, (skipped, steps, scale) in res["scaling"].items():

@@ -31,9 +31,12 @@ in float32. Every step is jitted with ``donate_argnums`` on params and state.
 
 Targets on XLA:CPU (issue "GPU first"): step ratio <= 1.05 (MLP, transformer)
 and <= 1.15 (leaf sweep); compile ratio <= 1.3; extra bytes on the finite path
-<= 1.5 gradient passes. XLA:CPU is where the results are checked, not where the
-design is chosen (jaxscale's step has no branch, for GPUs): docs/performance.md
-has a run and the discussion, and ``benchmarks/gpu.py`` measures a GPU.
+<= 1.5 gradient passes. The kernel-by-kernel account of the same steps (every
+kernel the scaled step adds, with the bytes it reads and writes, on any backend
+or for a GPU without one) is ``benchmarks/step_account.py``. XLA:CPU is where
+the results are checked, not where the design is chosen (jaxscale's step has no
+branch, for GPUs): docs/performance.md has a run and the discussion, and
+``benchmarks/gpu.py`` measures a GPU.
 
 Run::
 

@@ -88,8 +88,8 @@ class DynamicScalingState(NamedTuple):
       nonfinite_leaves: one ``bool[n]`` array with the leaves' names as static
         structure (:class:`LeafFlags`), true for each gradient leaf that was
         non-finite (after unscaling) on the last step; see
-        ``jxs.diagnostics.nonfinite_paths``. They are the finite check's own
-        per-leaf reductions, so they cost nothing more. Their structure never
+        ``jxs.diagnostics.nonfinite_paths``. They are what the finite check
+        computes, so they cost nothing more. Their structure never
         depends on options, so a checkpoint restores into any
         ``dynamic_scaling`` of the same params.
 

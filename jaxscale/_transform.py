@@ -13,6 +13,7 @@ from optax import OptState, Params, Updates
 
 from jaxscale import _distributed
 from jaxscale._composition import check_inner
+from jaxscale._finite import leaf_flags
 from jaxscale._loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -26,11 +27,8 @@ from jaxscale._structure import (
     explain_structure_errors,
 )
 from jaxscale._tree import (
-    compute_dtype,
     first_non_array,
     is_float_leaf,
-    is_inexact_leaf,
-    real_parts,
     saturating_increment,
     widen,
 )
@@ -68,53 +66,22 @@ def _cast_like(updates: Any, like: Any) -> Any:
     return jax.tree.map(leaf, updates, like, is_leaf=lambda x: x is None)
 
 
-def _nonfinite(g: Any, hi: jax.Array, lo: jax.Array) -> jax.Array:
-    """``bool[]``: does the unscaled leaf hold an ``inf`` or a ``NaN``?
-
-    Exact, in the leaf's own dtype (as :func:`unscale_leaf` rounds it), for
-    every scale, and one plain reduction: ``isnan(sum(x * 0))``. Each term is
-    ``0`` for a finite element and ``NaN`` for ``inf`` or ``NaN`` (IEEE
-    ``inf * 0``), so the sum cannot overflow and is ``NaN`` exactly when some
-    element is not finite; XLA does not fold ``x * 0`` for floats. A sum is the
-    reduction every backend emits best (XLA:CPU splits ``all(isfinite(x))``
-    into a materialised mask and a tree of window reductions); a max of
-    ``|x|`` is not exact (XLA:CPU's max can drop a ``NaN``). A complex leaf's
-    term is the sum of its real and its imaginary part's terms: still one
-    reduction, ``NaN`` where either part is not finite.
-    """
-    if not is_inexact_leaf(g):
-        return jnp.zeros((), jnp.bool_)
-    terms = []
-    for part in real_parts(g):
-        c = compute_dtype(part.dtype)
-        # ``part * (hi * lo)``, not ``unscale_leaf``'s ``part * hi * lo``:
-        # another expression, so XLA does not share (and materialise) it with
-        # ``inner``'s unscaling but fuses it into this reduction, which reads
-        # ``g`` once. It overflows exactly where ``unscale_leaf`` does: ``lo`` is
-        # 1, or ``2**-64`` for scales above ``2**126``, where nothing finite can
-        # overflow (and a flushed ``hi * lo`` still maps ``inf`` to ``NaN``).
-        x = (part.astype(c) * (hi * lo).astype(c)).astype(part.dtype)
-        terms.append(x * jnp.zeros((), x.dtype))
-    return jnp.isnan(jnp.sum(sum(terms[1:], terms[0])))
-
-
 def _check(
     grads: Any, hi: jax.Array, lo: jax.Array, axis_name: Any
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(finite, bad)``: whether every unscaled gradient is finite, and the
-    per-leaf :func:`_nonfinite` flags as one ``bool[n]`` array, both agreed
+    per-leaf flags (:func:`leaf_flags`) as one ``bool[n]`` array, both agreed
     over ``axis_name`` (one collective, a ``pmax`` of the array, serves both).
     """
-    leaves = jax.tree.leaves(grads)
-    if not leaves:  # no flags array (see ``_state.no_flags``)
+    bad = leaf_flags(grads, hi, lo)
+    if bad is None:  # no flags array (see ``_state.no_flags``)
         return jnp.ones((), jnp.bool_), None
-    bad = jnp.stack([_nonfinite(g, hi, lo) for g in leaves])
     if axis_name is not None:  # one decision and one set of flags per axis
         bad = _distributed.any_replica(bad, axis_name)
     # ``any(bad)`` as the last element of the sorted flags: XLA simplifies a
-    # reduction of the stacked flags into an ``n``-operand ``or`` and fuses a
-    # copy of it into every leaf's select (``n**2`` operands); a ``sort`` is
-    # not fused into its consumers, so each select reads one ``bool``
+    # reduction of the flags into an ``n``-operand ``or`` and fuses a copy of
+    # it into every leaf's select (``n**2`` operands); a ``sort`` is not fused
+    # into its consumers, so each select reads one ``bool``
     # (tests/test_compiled_step.py).
     return ~jnp.sort(bad)[-1], bad
 
@@ -227,14 +194,16 @@ def dynamic_scaling(
     ``update``, ``optax.tree.conj(grads)``, as for any optax optimizer.)
 
     The per-leaf overflow flags (``nonfinite_leaves``, read with
-    :func:`nonfinite_paths`) are always kept: they are the finite check's own
-    per-leaf reductions. Host hooks (a callback on every skipped step, a
+    :func:`nonfinite_paths`) are always kept: they are what the finite check
+    computes (one reduction per group of like leaves: the same parameter of
+    every layer). Host hooks (a callback on every skipped step, a
     warning when the scale sits at its floor) are a separate wrapper,
     :func:`jaxscale.diagnostics.monitor`. See the diagnostics guide.
 
     Several devices (see the multi-device guide): under ``jit`` with sharded
     parameters and gradients nothing is needed, as the finite check reduces
-    whole (global) arrays, XLA inserts one scalar all-reduce, and every device
+    whole (global) arrays, XLA inserts one small all-reduce (of the flags),
+    and every device
     takes the same decision; ``init`` places the scale and counters replicated
     on the mesh of ``params``. Inside ``jax.shard_map``, ``jax.pmap`` or
     ``jax.vmap``, where each replica sees only its own gradients, pass

@@ -104,3 +104,29 @@ def test_float8_passes_benchmark_tiny(tmp_path):
         for row in got.values():
             ours, xla = (float(c.replace(",", "")) for c in row[5:7])
             assert abs(ours - xla) <= 0.01 * xla + 0.1, row
+
+
+def test_step_account_tiny(tmp_path):
+    # benchmarks/step_account.py --tiny: the MLP and a one-layer GPT, each
+    # compiled bare and with dynamic_scaling; a totals line and a table row
+    # each, and the optimized HLO written where --dump says.
+    proc = run_script(
+        BENCHMARKS / "step_account.py", "--tiny", "--dump", "hlo", cwd=tmp_path
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    for model in ("mlp", "gpt-tiny"):
+        totals = re.search(
+            rf"^account: {model} \| [\d,]+ params in \d+ leaves \| kernels (\d+) -> "
+            rf"(\d+) \([+-]\d+\) \| bytes .*, ([+-][\d.]+) B/param\)$",
+            out,
+            re.M,
+        )
+        assert totals, out
+        assert int(totals.group(1)) > 0 and int(totals.group(2)) > 0
+        # One read of the float32 gradients is 4 bytes a parameter; a CPU
+        # also writes and reads a one-byte mask per element and stacks it.
+        assert float(totals.group(3)) <= 12.0, totals.group(0)
+        assert re.search(rf"^\| {model} \| [\d,]+ \| \d+ \| \d+ -> \d+", out, re.M)
+        for name in ("bare", "scaled"):
+            assert (tmp_path / "hlo" / f"{model}_{name}.hlo.txt").stat().st_size > 0

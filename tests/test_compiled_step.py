@@ -10,12 +10,17 @@ operand. Pinned on XLA:CPU with the current jax (integration tier).
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from helpers import relaxed
 
 import jaxscale as jxs
 
@@ -53,3 +58,100 @@ def test_no_fusion_reads_every_leafs_flag():
     # so its operand count does not grow with the leaves.
     wide = [n for n in large if n > max(small)]
     assert len(wide) <= 2 and max(large) <= 64 + 2, (max(small), sorted(large)[-5:])
+
+
+# --------------------------------------------------------------------------- #
+# Kernels and bytes, by benchmarks/step_account.py's accounting of the
+# optimized HLO (on whatever backend runs the suite). The assertions are on
+# our own counts, with margins, not on XLA's fusion names.
+# --------------------------------------------------------------------------- #
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+_SPEC = importlib.util.spec_from_file_location(
+    "step_account", BENCHMARKS / "step_account.py"
+)
+step_account = sys.modules.setdefault(
+    "step_account", importlib.util.module_from_spec(_SPEC)
+)
+_SPEC.loader.exec_module(step_account)
+
+SIDE = 128  # every parameter a SIDE x SIDE matrix: its gradient dwarfs activations
+
+
+def layered_step(n_layers: int, scaled: bool, inner=None):
+    """A jitted step over ``n_layers`` layers of one role (a kernel and a
+    bias each), bare or with ``dynamic_scaling``; ``(kernels, n_params)``."""
+    params = {
+        f"layer_{i}": {
+            "kernel": jnp.full((SIDE, SIDE), 0.01 * (i + 1)),
+            "bias": jnp.zeros((SIDE,)),
+        }
+        for i in range(n_layers)
+    }
+    inner = inner or optax.sgd(0.1, momentum=0.9)
+    tx = jxs.dynamic_scaling(inner) if scaled else inner
+    grad = jxs.value_and_grad if scaled else None
+
+    def loss_fn(params, x):
+        h = x
+        for layer in params.values():
+            h = jnp.tanh(h @ layer["kernel"] + layer["bias"][None])
+        return jnp.sum(h**2)
+
+    def step(params, opt_state, x):
+        if scaled:
+            _, grads = grad(loss_fn, opt_state)(params, x)
+        else:
+            grads = jax.grad(loss_fn)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    args = (params, tx.init(params), jnp.ones((4, SIDE)))
+    text = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    return step_account.kernels(text), n_params
+
+
+def gradient_reductions(kernels) -> int:
+    """Kernels that read at least a byte per element of one gradient leaf and
+    write at most a sixteenth of what they read: the reductions over
+    gradients (an optimizer pass writes as much as it reads; a reduction
+    over activations reads far less than a SIDE x SIDE leaf)."""
+    return sum(k.reads >= SIDE * SIDE and 16 * k.writes <= k.reads for k in kernels)
+
+
+def test_check_reductions_do_not_grow_with_the_layers():
+    # One layer: the check reduces its two leaves. Twenty-four layers of the
+    # same two roles: still about two reductions (per role, all layers at
+    # once), where one per leaf would be forty-eight.
+    added = {}
+    for n in (1, 24):
+        bare, _ = layered_step(n, scaled=False)
+        ours, _ = layered_step(n, scaled=True)
+        added[n] = gradient_reductions(ours) - gradient_reductions(bare)
+    assert 1 <= added[1] <= 3, added
+    assert added[24] <= added[1] + 2, added
+
+
+def test_bytes_added_per_parameter():
+    # The check reads each gradient once (4 bytes a float32 parameter); a CPU
+    # also writes and reads a one-byte mask and stacks it (8 bytes in all).
+    # The optimizer's own passes (unscale and skip included) move no more
+    # bytes than the bare step's: no separate select pass over its state.
+    bare, n_params = layered_step(12, scaled=False, inner=relaxed(optax.adam(1e-3)))
+    ours, _ = layered_step(12, scaled=True, inner=relaxed(optax.adam(1e-3)))
+    extra = sum(k.bytes for k in ours) - sum(k.bytes for k in bare)
+    assert extra / n_params <= 9.0, extra / n_params
+
+    def state_passes(kernels):
+        # Kernels that write a float32 array at least a leaf's size: the
+        # optimizer's passes over g, m, v and p (and the backward's matmuls).
+        return sum(
+            k.bytes
+            for k in kernels
+            if any(d == "f32" and np.prod(s) >= SIDE * SIDE for d, s in k.signature[1])
+        )
+
+    assert state_passes(ours) <= 1.02 * state_passes(bare), state_passes(
+        ours
+    ) / state_passes(bare)

@@ -153,3 +153,18 @@ def test_full_configuration_refuses_without_a_gpu(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "No GPU" in proc.stderr and "--tiny" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_account_lines(tiny_run):
+    # Per model, cast by hand and through autocast: the kernels and bytes of
+    # the dynamic_scaling step against the bare one (benchmarks/step_account.py).
+    totals = re.findall(
+        r"^account: (\w+) (hand|autocast) \| [\d,]+ params in \d+ leaves \| "
+        r"kernels (\d+) -> (\d+) \([+-]\d+\) \| bytes .* B/param\)$",
+        tiny_run,
+        re.M,
+    )
+    assert sorted((m, k) for m, k, *_ in totals) == sorted(
+        (m, k) for m in MODELS for k in ("hand", "autocast")
+    ), tiny_run
+    assert all(int(bare) > 0 and int(ours) > 0 for *_, bare, ours in totals)

@@ -1,4 +1,4 @@
-"""``.ci/gpu``, the one command for a GPU, in its CPU smoke mode: the three parts
+"""``.ci/gpu``, the one command for a GPU, in its CPU smoke mode: the four parts
 run, each writes its file into one folder, and the summary has one line per part.
 """
 
@@ -27,13 +27,24 @@ def test_the_gpu_command_smoke_mode(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["suite", "gpu.py", "float8"]
+    assert [line.split(":")[0] for line in lines] == [
+        "suite",
+        "gpu.py",
+        "account",
+        "float8",
+    ]
     assert all(": ok in " in line for line in lines), lines
     assert "passed" in lines[0]
-    for name in ("env.txt", "suite.txt", "gpu_py.txt", "float8_models.txt"):
+    for name in ("env.txt", "suite.txt", "gpu_py.txt", "account.txt"):
         assert (out / name).stat().st_size > 0, name
+    assert (out / "float8_models.txt").stat().st_size > 0
+    # The account of each model: its totals line and its Markdown row.
+    account = (out / "account.txt").read_text()
+    for model in ("mlp", "gpt-tiny"):
+        assert f"account: {model} | " in account, account
+        assert f"| {model} | " in account, account
     assert "backend cpu" in (out / "env.txt").read_text()
-    assert done.stdout.splitlines()[-3:] == lines
+    assert done.stdout.splitlines()[-4:] == lines
 
 
 def test_the_full_mode_refuses_without_a_gpu(tmp_path):

@@ -199,6 +199,47 @@ def test_fully_sharded_step_has_one_scalar_all_reduce_and_no_gather(axis_type):
     assert sum(on_entry for _, on_entry, _ in found) == 1, found
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_layers_of_one_role_share_a_check_and_gather_nothing(axis_type):
+    """Six layers, each a kernel and a bias sharded alike per role: the check
+    reduces each role's leaves together (jaxscale/_finite.py), which must
+    cost no gather, and still names the one leaf whose block overflowed."""
+    mesh = mesh_of(axis_type)
+    params = {
+        f"layer_{i}": {
+            "kernel": jnp.full((N * 4, 16), 0.1 * (i + 1), jnp.float32),
+            "bias": jnp.zeros((16 * N,), jnp.float32),
+        }
+        for i in range(6)
+    }
+    specs = jax.tree.map(lambda x: P("data", *([None] * (x.ndim - 1))), params)
+    params = put(params, mesh, specs)
+    tx = jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9))
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    grads = put(
+        jax.tree.map(lambda p: np.ones(p.shape, np.float32), params), mesh, specs
+    )
+    hlo = jax.jit(step).lower(params, state, grads).compile().as_text()
+    found = collectives(hlo)
+    assert {kind for kind, _, _ in found} == {"all-reduce"}, found
+    for _, _, sizes in found:  # flags, never a block of a gradient
+        assert all(size <= 12 for size in sizes), found
+
+    params, state = jax.jit(step)(params, state, grads)
+    bad = jax.tree.map(lambda p: np.ones(p.shape, np.float32), params)
+    bad["layer_4"]["kernel"][4 * BAD_DEVICE + 1, 3] = np.inf
+    new_params, new_state = jax.jit(step)(params, state, put(bad, mesh, specs))
+    assert_bit_identical(new_params, params)
+    assert_bit_identical(new_state.inner_state, state.inner_state)
+    assert_same_on_every_device((new_params, new_state))
+    assert jxs.diagnostics.nonfinite_paths(new_state) == ["layer_4/kernel"]
+
+
 def dp_loss(params, x):
     h = x @ params["w"].astype(jnp.float16) + params["b"].astype(jnp.float16)[None]
     return jnp.mean(h.astype(jnp.float32) ** 2)
