@@ -199,3 +199,30 @@ def test_the_guide_recipe_runs_as_written():
     np.testing.assert_array_equal(np.asarray(y), np.full((16, 32), 64.0, np.float32))
     (eqn,) = dots(namespace["fp8"], jnp.ones((64, 32)), jnp.ones((16, 64)))
     assert operand_dtypes(eqn) == (E4M3, E4M3)
+
+
+def test_delayed_scaling_warns_that_it_is_deprecated_and_names_the_way_out():
+    # The suite ignores this warning (pyproject.toml) so that the deprecated
+    # recipe stays tested until 0.4.0; pytest.warns sees it regardless.
+    with pytest.warns(DeprecationWarning) as seen:
+        jxs.float8.DelayedScaling(history_len=4, min_dim=0)
+    assert len(seen) == 1
+    msg = str(seen[0].message)
+    assert seen[0].filename == __file__  # the caller's line, not ours
+    for part in ("deprecated", "0.4.0", "float8=True", "CurrentScaling", "1.288"):
+        assert part in msg, msg
+    # By name too, and only delayed: current scaling does not warn.
+    x = jnp.ones((8, 16), jnp.float32)
+    with pytest.warns(DeprecationWarning, match="DelayedScaling"):
+        f = jxs.autocast(matmul, jnp.bfloat16, float8="delayed")
+        with pytest.raises(ValueError, match="no float8 site"):  # tiny: 16 bits
+            jxs.float8.init(f, x, x.T)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        jxs.float8.CurrentScaling(min_dim=0)
+        f = jxs.autocast(
+            matmul, jnp.bfloat16, float8=jxs.float8.CurrentScaling(min_dim=0)
+        )
+        jax.make_jaxpr(f)(x, x.T)
