@@ -40,12 +40,20 @@ _F32 = np.dtype("float32")
 
 
 def amax(x: jax.Array) -> jax.Array:
-    """``max(|x|)`` as ``f32[]``: inf if ``x`` holds an inf, else NaN if it holds
-    a NaN."""
-    a = jnp.max(jnp.abs(x)).astype(_F32)
-    # max() may drop a NaN on some backends: make it loud (an inf stays inf).
-    nan = jnp.isnan(jnp.sum(x.astype(_F32) * 0)) & ~jnp.isinf(a)
-    return jnp.where(nan, jnp.nan, a)
+    """``max(|x|)`` as ``f32[]``: NaN if ``x`` holds a NaN, else inf if it holds
+    an inf.
+
+    One integer reduction, one read of ``x``: the bits of a non-negative
+    float32, read as an int32, are ordered as the values, and every NaN's bits
+    lie above infinity's. So the result is exact and a NaN always wins, on any
+    backend, whatever its float ``max`` does with NaN (a reduction of
+    ``max(|x|)`` and a second one to catch a dropped NaN read ``x`` twice, and
+    XLA:GPU transposed a float32 weight for the second).
+    """
+    if not x.size:
+        return jnp.zeros((), _F32)
+    bits = lax.bitcast_convert_type(jnp.abs(x).astype(_F32), jnp.int32)
+    return lax.bitcast_convert_type(jnp.max(bits), _F32)
 
 
 def scale_from_amax(
@@ -95,6 +103,30 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     # Finite inputs saturate even where x / scale overflows float32.
     y = lax.select(jnp.isfinite(x32), jnp.clip(y, -fmax, fmax), y)
     return y.astype(dtype)
+
+
+def saturate(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``x / scale`` in float8 ``dtype``, every value saturated at its finite
+    range (an infinity too): what a float8 site casts, reading ``x`` once.
+
+    :func:`quantize` keeps an infinity non-finite with a select on
+    ``isfinite(x)``, a second use of ``x``: XLA:GPU then splits the cast of a
+    weight, which it transposes for the GEMM, into two kernels (a float32 or
+    mask array written and read again). A site instead makes the scale NaN
+    where the operand's :func:`amax` is not finite (:func:`poison`), which
+    makes the product NaN.
+    """
+    dtype = np.dtype(jnp.dtype(dtype))
+    fmax = np.float32(jnp.finfo(dtype).max)
+    y = x.astype(_F32) / scale.astype(_F32)
+    return jnp.clip(y, -fmax, fmax).astype(dtype)
+
+
+def poison(scale: jax.Array, amax_: jax.Array) -> jax.Array:
+    """``scale``, or NaN where ``amax_`` is not finite: the scale a site
+    casts and multiplies its product by, so an operand's inf or NaN makes the
+    product NaN (as the loss-scale check needs)."""
+    return jnp.where(jnp.isfinite(amax_), scale, np.float32(np.nan))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = _F32) -> jax.Array:

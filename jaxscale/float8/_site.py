@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale._accumulate import ACCUMULATING
 from jaxscale._jax_private import dot_dimension_numbers
 from jaxscale._scope import Scope
-from jaxscale.float8._numerics import quantize
+from jaxscale.float8._numerics import poison, saturate
 
 __all__ = [
     "SMALL_DOT",
@@ -345,10 +345,12 @@ def _scales(
     recipe: Any, state: tuple, tensors: Sequence[jax.Array], roles: Sequence[int]
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Each tensor's scale and amax, by the recipe (:meth:`Recipe.scale`),
-    constants to differentiation."""
+    constants to differentiation; a scale is NaN where its tensor holds an inf
+    or a NaN (:func:`poison`), so the product is NaN, as a loss-scale check
+    needs, while the cast (:func:`saturate`) reads the tensor once."""
     pairs = [recipe.scale(t, r, state) for t, r in zip(tensors, roles, strict=True)]
     return (
-        [lax.stop_gradient(s) for s, _ in pairs],
+        [lax.stop_gradient(poison(s, a)) for s, a in pairs],
         [lax.stop_gradient(a) for _, a in pairs],
     )
 
@@ -460,7 +462,7 @@ def _fwd(key, x, w, state):
     (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1])
     sx, sw, ax, aw = map(_name, (sx, sw, ax, aw))
     rx, rw = (
-        _name(lax.bitcast_convert_type(quantize(v, s, recipe.fwd_dtype), jnp.uint8))
+        _name(lax.bitcast_convert_type(saturate(v, s, recipe.fwd_dtype), jnp.uint8))
         for v, s in ((x, sx), (w, sw))
     )
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
@@ -479,9 +481,9 @@ def _bwd(key, res, g):
     rx, rw, sx, sw, ax, aw, state = res
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
     (sg,), (ag,) = _scales(recipe, state, [g], [2])
-    qg = quantize(g, sg, recipe.bwd_dtype)
-    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # [M,N] x [K,N]^T
-    dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # [M,K]^T x [M,N]
+    qg = saturate(g, sg, recipe.bwd_dtype)
+    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # g w^T
+    dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # x^T g
     return dx, dw, recipe.record(state, (ax, aw, ag))
 
 
