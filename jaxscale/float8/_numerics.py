@@ -25,11 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.float8._mesh import max_over_devices, reduction_axes
+
 __all__ = [
     "E4M3",
     "E5M2",
     "amax",
+    "amax_key",
     "dequantize",
+    "from_key",
     "quantize",
     "scale_from_amax",
 ]
@@ -41,11 +45,34 @@ _F32 = np.dtype("float32")
 
 def amax(x: jax.Array) -> jax.Array:
     """``max(|x|)`` as ``f32[]``: inf if ``x`` holds an inf, else NaN if it holds
-    a NaN."""
-    a = jnp.max(jnp.abs(x)).astype(_F32)
-    # max() may drop a NaN on some backends: make it loud (an inf stays inf).
-    nan = jnp.isnan(jnp.sum(x.astype(_F32) * 0)) & ~jnp.isinf(a)
-    return jnp.where(nan, jnp.nan, a)
+    a NaN. Inside ``shard_map``, of the whole tensor: each device's block's amax
+    reduced over the manual mesh axes along which ``x`` varies
+    (:mod:`jaxscale.float8._mesh`), so every device gets the same value."""
+    (key,) = max_over_devices([amax_key(x)], reduction_axes(x))
+    return from_key(key)
+
+
+# An amax is found by one max-reduction (one all-reduce when the tensor is
+# sharded) of a key per element: |x| with NaN mapped to float32's largest finite
+# value, which finite magnitudes never reach (they are clipped one step below),
+# and inf to inf. The max of the keys is inf if any is, else the NaN key if any
+# is, else the largest magnitude; max() itself never sees a NaN (which some
+# backends drop).
+_NAN_KEY = np.float32(np.finfo(np.float32).max)
+_BELOW = np.nextafter(_NAN_KEY, np.float32(0))
+
+
+def amax_key(x: jax.Array) -> jax.Array:
+    """``f32[]``: the max over ``x`` of the per-element key (see above), whose
+    maximum over several blocks is the key of their union."""
+    a = jnp.abs(x).astype(_F32)
+    key = jnp.where(jnp.isnan(a), _NAN_KEY, jnp.minimum(a, _BELOW))
+    return jnp.max(jnp.where(a == np.inf, np.float32(np.inf), key))
+
+
+def from_key(key: jax.Array) -> jax.Array:
+    """The amax (``f32[]``, inf or NaN where the tensor holds them) of a key."""
+    return jnp.where(key == _NAN_KEY, np.float32(np.nan), key)
 
 
 def scale_from_amax(
