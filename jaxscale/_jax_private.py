@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax import lax
-from jax._src import ad_util, api_util, source_info_util
+from jax._src import ad_util, api_util, config, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
@@ -643,7 +643,5 @@ def manual_axes() -> tuple[tuple[str, ...], bool]:
     False)`` outside ``shard_map``."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(sorted(getattr(mesh, "manual_axes", ()) or ()))
-    from jax._src import config  # noqa: PLC0415 (private, read here only)
-
     checked = getattr(config, "_check_vma", None)
     return axes, bool(axes and checked is not None and checked.value)
