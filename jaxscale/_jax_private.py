@@ -33,6 +33,9 @@ The version differences it absorbs (jax 0.7.0 to 0.12.0.1):
   was ``to_tangent_aval``; a ``custom_jvp``'s rule was ``jvp_jaxpr_thunk``;
   ``lax.pcast`` was ``lax.pvary`` and a value's varying axes ``aval.vma``
   before 0.10.
+- The manual axes in scope (:func:`manual_axes`): the abstract mesh's
+  ``manual_axes``, and whether ``shard_map`` checks them
+  (``config._check_vma``, a private flag in every version from 0.7.0).
 
 This is the ground floor: it imports only JAX and the standard library,
 nothing of jaxscale.
@@ -46,7 +49,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax import lax
-from jax._src import ad_util, api_util, source_info_util
+from jax._src import ad_util, api_util, config, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
@@ -90,6 +93,7 @@ __all__ = [
     "subjaxprs",
     "trace",
     "user_frame",
+    "manual_axes",
     "varying_axes",
     "while_parts",
     "with_combiner",
@@ -631,3 +635,13 @@ def varying_axes(aval: Any) -> tuple[str, ...]:
     manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
     axes = manual.varying if manual is not None else getattr(aval, "vma", ())
     return tuple(sorted(axes or ()))
+
+
+def manual_axes() -> tuple[tuple[str, ...], bool]:
+    """The manual (``shard_map``) mesh axes of the trace in progress, sorted,
+    and whether their varying types are checked (``check_vma``): ``((),
+    False)`` outside ``shard_map``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(sorted(getattr(mesh, "manual_axes", ()) or ()))
+    checked = getattr(config, "_check_vma", None)
+    return axes, bool(axes and checked is not None and checked.value)

@@ -25,11 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.float8._mesh import max_over_devices, reduction_axes
+
 __all__ = [
     "E4M3",
     "E5M2",
     "amax",
+    "amax_key",
     "dequantize",
+    "from_key",
     "quantize",
     "scale_from_amax",
 ]
@@ -41,19 +45,35 @@ _F32 = np.dtype("float32")
 
 def amax(x: jax.Array) -> jax.Array:
     """``max(|x|)`` as ``f32[]``: NaN if ``x`` holds a NaN, else inf if it holds
-    an inf.
+    an inf. Inside ``shard_map``, of the whole tensor: each device's block's
+    amax reduced over the manual mesh axes along which ``x`` varies
+    (:mod:`jaxscale.float8._mesh`), so every device gets the same value.
 
-    One integer reduction, one read of ``x``: the bits of a non-negative
-    float32, read as an int32, are ordered as the values, and every NaN's bits
-    lie above infinity's. So the result is exact and a NaN always wins, on any
-    backend, whatever its float ``max`` does with NaN (a reduction of
-    ``max(|x|)`` and a second one to catch a dropped NaN read ``x`` twice, and
-    XLA:GPU transposed a float32 weight for the second).
+    One integer reduction, one read of ``x`` (:func:`amax_key`), and one
+    all-reduce of a scalar where the tensor is sharded.
+    """
+    (key,) = max_over_devices([amax_key(x)], reduction_axes(x))
+    return from_key(key)
+
+
+def amax_key(x: jax.Array) -> jax.Array:
+    """``i32[]``: the largest of the float32 bits of ``|x|`` read as int32s.
+
+    The bits of a non-negative float32, read as an int32, are ordered as the
+    values, and every NaN's bits lie above infinity's: the key's maximum over
+    several blocks is the key of their union, exact, and a NaN always wins on
+    any backend, whatever its float ``max`` does with NaN. (The reduction of
+    ``max(|x|)`` and a second, summing one to catch a dropped NaN read ``x``
+    twice, and XLA:GPU transposed a float32 weight for the second.)
     """
     if not x.size:
-        return jnp.zeros((), _F32)
-    bits = lax.bitcast_convert_type(jnp.abs(x).astype(_F32), jnp.int32)
-    return lax.bitcast_convert_type(jnp.max(bits), _F32)
+        return jnp.zeros((), jnp.int32)
+    return jnp.max(lax.bitcast_convert_type(jnp.abs(x).astype(_F32), jnp.int32))
+
+
+def from_key(key: jax.Array) -> jax.Array:
+    """The amax (``f32[]``, NaN or inf where the tensor holds them) of a key."""
+    return lax.bitcast_convert_type(key, _F32)
 
 
 def scale_from_amax(
