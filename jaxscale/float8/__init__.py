@@ -21,6 +21,7 @@ from jaxscale.float8._numerics import scale_from_amax as scale_from_amax
 from jaxscale.float8._recipes import CurrentScaling as CurrentScaling
 from jaxscale.float8._recipes import DelayedScaling as DelayedScaling
 from jaxscale.float8._recipes import Recipe as Recipe
+from jaxscale.float8._recipes import RowwiseScaling as RowwiseScaling
 from jaxscale.float8._site import checkpoint_policy as checkpoint_policy
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Float8GemmReport",
     "Float8State",
     "Recipe",
+    "RowwiseScaling",
     "accumulate_value_and_grad",
     "apply",
     "checkpoint_policy",

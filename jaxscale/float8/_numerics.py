@@ -43,15 +43,22 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 _F32 = np.dtype("float32")
 
 
-def amax(x: jax.Array) -> jax.Array:
+def amax(x: jax.Array, axis: int | None = None) -> jax.Array:
     """``max(|x|)`` as ``f32[]``: NaN if ``x`` holds a NaN, else inf if it holds
     an inf. Inside ``shard_map``, of the whole tensor: each device's block's
     amax reduced over the manual mesh axes along which ``x`` varies
     (:mod:`jaxscale.float8._mesh`), so every device gets the same value.
 
     One integer reduction, one read of ``x`` (:func:`amax_key`), and one
-    all-reduce of a scalar where the tensor is sharded.
+    all-reduce of a scalar where the tensor is sharded. With an ``axis``, the
+    amax along it (``float32``, ``x``'s shape with size 1 there), each
+    device's own block's inside ``shard_map``.
     """
+    if axis is not None:
+        if not x.size:
+            return jnp.zeros((*x.shape[:axis], 1, *x.shape[axis:][1:]), _F32)
+        bits = lax.bitcast_convert_type(jnp.abs(x).astype(_F32), jnp.int32)
+        return from_key(jnp.max(bits, axis=axis, keepdims=True))
     (key,) = max_over_devices([amax_key(x)], reduction_axes(x))
     return from_key(key)
 

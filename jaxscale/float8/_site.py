@@ -342,17 +342,34 @@ def float8_dot(
 
 
 def _scales(
-    recipe: Any, state: tuple, tensors: Sequence[jax.Array], roles: Sequence[int]
+    recipe: Any,
+    state: tuple,
+    tensors: Sequence[jax.Array],
+    roles: Sequence[int],
+    axes: Sequence[int],
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Each tensor's scale and amax, by the recipe (:meth:`Recipe.scale`),
     constants to differentiation; a scale is NaN where its tensor holds an inf
     or a NaN (:func:`poison`), so the product is NaN, as a loss-scale check
     needs, while the cast (:func:`saturate`) reads the tensor once."""
-    pairs = [recipe.scale(t, r, state) for t, r in zip(tensors, roles, strict=True)]
+    pairs = [
+        _scale(recipe, state, t, r, axis)
+        for t, r, axis in zip(tensors, roles, axes, strict=True)
+    ]
     return (
         [lax.stop_gradient(poison(s, a)) for s, a in pairs],
         [lax.stop_gradient(a) for _, a in pairs],
     )
+
+
+def _scale(recipe: Any, state: tuple, t: jax.Array, role: int, axis: int) -> tuple:
+    """A tensorwise recipe's scale of ``t``; an axiswise one's along ``t``'s
+    contracting ``axis``, which its :meth:`~Recipe.scale` sees last, shaped
+    to broadcast against ``t`` (size 1 along ``axis``)."""
+    if not recipe.axiswise:
+        return recipe.scale(t, role, state)
+    s, a = recipe.scale(jnp.moveaxis(t, axis, -1), role, state)
+    return jnp.moveaxis(s, -1, axis), jnp.moveaxis(a, -1, axis)
 
 
 # XLA:GPU gives a dot whose ``(M + N) * K`` is below its
@@ -459,7 +476,11 @@ def _fwd(key, x, w, state):
     # a value passes it through ``reduce_precision`` with its dtype's exponent
     # and mantissa bits, which for float8_e4m3fn (no infinity) turns every
     # value from 256 to 448 into inf.
-    (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1])
+    # An axiswise recipe's backward quantises x and w again along its own
+    # contractions: it keeps them as they came (their own dtype).
+    if recipe.axiswise:
+        x, w = _name(x), _name(w)
+    (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1], [1, 0])
     sx, sw, ax, aw = map(_name, (sx, sw, ax, aw))
     rx, rw = (
         _name(lax.bitcast_convert_type(saturate(v, s, recipe.fwd_dtype), jnp.uint8))
@@ -467,6 +488,8 @@ def _fwd(key, x, w, state):
     )
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
     y = _gemm(qx, qw, ((1,), (0,)), sx * sw, out_dtype)
+    if recipe.axiswise:
+        return y, (x, w, state)
     return y, (rx, rw, sx, sw, ax, aw, state)
 
 
@@ -478,13 +501,30 @@ def _bwd(key, res, g):
     _, x_dtype, w_dtype, recipe, evaluating = key
     if evaluating:
         raise ValueError(evaluating_error())
+    if recipe.axiswise:
+        return _bwd_axiswise(key, res, g)
     rx, rw, sx, sw, ax, aw, state = res
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
-    (sg,), (ag,) = _scales(recipe, state, [g], [2])
+    (sg,), (ag,) = _scales(recipe, state, [g], [2], [1])
     qg = saturate(g, sg, recipe.bwd_dtype)
     dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # g w^T
     dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # x^T g
     return dx, dw, recipe.record(state, (ax, aw, ag))
+
+
+def _bwd_axiswise(key, res, g):
+    """The backward of an axiswise recipe: each product quantises its operands
+    along its own contracting axis (``dx = g w^T`` along N, ``dw = x^T g``
+    along M), so x and w are quantised again, and g twice."""
+    _, x_dtype, w_dtype, recipe, _ = key
+    x, w, state = res
+    (sg, sw), _ = _scales(recipe, state, [g, w], [2, 1], [1, 1])
+    qg, qw = saturate(g, sg, recipe.bwd_dtype), saturate(w, sw, recipe.fwd_dtype)
+    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw.T, x_dtype)  # [M,1] * [1,K]
+    (sx, sg), _ = _scales(recipe, state, [x, g], [0, 2], [0, 0])
+    qx, qg = saturate(x, sx, recipe.fwd_dtype), saturate(g, sg, recipe.bwd_dtype)
+    dw = _gemm(qx, qg, ((0,), (0,)), sx.T * sg, w_dtype)  # [K,1] * [1,N]
+    return dx, dw, recipe.record(state, ())
 
 
 _f8_matmul.defvjp(_fwd, _bwd)
