@@ -28,15 +28,16 @@ fused into the dot) and fuses differently, so the counts are the mechanism on
 this compiler, not a GPU's kernel count. They are stable from run to run (no
 timing), which is what measuring a change needs.
 
-Variants: ``bfloat16`` (autocast), ``float8 current`` and ``float8 delayed``
-with every matmul without batch dimensions in float8 (``min_dim=0``), and
-``float8 chosen`` (current scaling, the default choice of the cost model for an
-H200: only the products it predicts faster).
+Variants: ``bfloat16`` (autocast), ``float8 current``, ``float8 rowwise`` and
+``float8 delayed`` (deprecated) with every matmul without batch dimensions in
+float8 (``min_dim=0``), and ``float8 chosen`` (current scaling, the default
+choice of the cost model for an H200: only the products it predicts faster).
 
 Run::
 
     python benchmarks/float8_passes.py            # full sizes, compile only
     python benchmarks/float8_passes.py --tiny     # small sizes (the tests)
+    python benchmarks/float8_passes.py --target h200   # XLA:GPU, no GPU needed
 """
 
 from __future__ import annotations
@@ -62,12 +63,19 @@ for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
         sys.path.insert(0, str(path))
 
 import gpu  # noqa: E402 (after the path)
+import step_account  # noqa: E402
 
 import jaxscale as jxs  # noqa: E402
 
 BF16 = jnp.bfloat16
 SDS = jax.ShapeDtypeStruct
-VARIANTS = ("bfloat16", "float8 current", "float8 delayed", "float8 chosen")
+VARIANTS = (
+    "bfloat16",
+    "float8 current",
+    "float8 rowwise",
+    "float8 delayed",
+    "float8 chosen",
+)
 MODELS = {
     "full": {
         "site": (8192, 4096),  # M, d of the sweep's step: K = N = d
@@ -92,6 +100,7 @@ def recipes() -> dict[str, Any]:
     return {
         "bfloat16": None,
         "float8 current": jxs.float8.CurrentScaling(min_dim=0),
+        "float8 rowwise": jxs.float8.RowwiseScaling(min_dim=0),
         "float8 delayed": delayed(16),
         "float8 chosen": jxs.float8.CurrentScaling(device_kind="NVIDIA H200"),
     }
@@ -126,7 +135,11 @@ def model_problem(size: gpu.Size) -> tuple[Callable[..., Any], tuple, bool]:
 
 
 def step_of(
-    loss: Callable[..., Any], recipe: Any, args: tuple, train: bool
+    loss: Callable[..., Any],
+    recipe: Any,
+    args: tuple,
+    train: bool,
+    place: Callable[[Any], Any] = lambda tree: tree,
 ) -> tuple[Any, tuple]:
     """The jitted step of a variant (``train``: AdamW; else the sweep's, the
     gradients fed back scaled down) and its abstract arguments."""
@@ -148,7 +161,7 @@ def step_of(
 
     opt_state = jax.eval_shape(tx.init, args[0]) if train else ()
     jitted = jax.jit(step, donate_argnums=(0, 1, 2))
-    return jitted, (args[0], opt_state, state, *args[1:])
+    return jitted, place((args[0], opt_state, state, *args[1:]))
 
 
 # --------------------------------------------------------------------------- #
@@ -241,7 +254,7 @@ def measure(step: Any, args: tuple) -> dict[str, Any]:
     secs = time.perf_counter() - t0
     ops, nbytes = kernels(compiled.as_text())
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}  # None: no GPU
     sites, elements = site_elements(lowered.as_text())
     return {
         "kernels": sum(ops.values()),
@@ -299,12 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         choices=["site", "realistic", "wide"],
         help="default: all",
     )
+    parser.add_argument(
+        "--target",
+        choices=["h100", "h200"],
+        help="compile for this GPU without one (needs jax-cuda12-plugin)",
+    )
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "full"
-    dev = jax.devices()[0]
+    place = step_account.abstract_for(args.target)  # before jax picks a backend
+    if args.target:
+        device = f"{args.target.upper()} (XLA:GPU, deviceless: no autotuning)"
+    else:
+        dev = jax.devices()[0]
+        device = f"{dev.device_kind} ({dev.platform})"
     print(
         f"env: jax {jax.__version__}, jaxscale {jxs.__version__}, device "
-        f"{dev.device_kind} ({dev.platform}); compiled, not run"
+        f"{device}; compiled, not run"
     )
     lines = [HEADER]
     for model, size in MODELS[mode].items():
@@ -315,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         got = {}
         for name, recipe in recipes().items():
-            step, step_args = step_of(loss, recipe, problem, train)
+            step, step_args = step_of(loss, recipe, problem, train, place)
             with warnings.catch_warnings():  # "nothing runs in float8": a row says so
                 warnings.simplefilter("ignore", jxs.AutocastWarning)
                 got[name] = measure(step, step_args)

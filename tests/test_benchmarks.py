@@ -85,7 +85,13 @@ def test_float8_passes_benchmark_tiny(tmp_path):
         out,
         re.M,
     )
-    variants = ["bfloat16", "float8 current", "float8 delayed", "float8 chosen"]
+    variants = [
+        "bfloat16",
+        "float8 current",
+        "float8 rowwise",
+        "float8 delayed",
+        "float8 chosen",
+    ]
     assert [r[:2] for r in rows] == [
         (m, v) for m in ("site", "realistic") for v in variants
     ], out
@@ -95,7 +101,7 @@ def test_float8_passes_benchmark_tiny(tmp_path):
         assert base[2] == "0" and base[7:] == ("-", "-", "-"), out
         # The cost model leaves these tiny products in 16 bits: the bf16 program.
         assert got["float8 chosen"][2:7] == base[2:7], out
-        for name in ("float8 current", "float8 delayed"):
+        for name in ("float8 current", "float8 rowwise", "float8 delayed"):
             row = got[name]
             assert row[2] == sites, out
             assert int(row[3]) > int(base[3]) and float(row[7]) > 0, out
