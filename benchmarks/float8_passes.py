@@ -63,7 +63,7 @@ for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
         sys.path.insert(0, str(path))
 
 import gpu  # noqa: E402 (after the path)
-import step_account  # noqa: E402
+import hlo_account  # noqa: E402
 
 import jaxscale as jxs  # noqa: E402
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "full"
-    place = step_account.abstract_for(args.target)  # before jax picks a backend
+    place = hlo_account.abstract_for(args.target)  # before jax picks a backend
     if args.target:
         device = f"{args.target.upper()} (XLA:GPU, deviceless: no autotuning)"
     else:

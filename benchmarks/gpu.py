@@ -150,8 +150,8 @@ if str(ROOT) not in sys.path:  # run from anywhere, jaxscale from this checkout
 
 import jaxscale as jxs  # noqa: E402 (after the path)
 
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the sibling step_account.py
-import step_account  # noqa: E402 (after the path)
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the sibling hlo_account.py
+import hlo_account  # noqa: E402 (after the path)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -546,7 +546,7 @@ def run_jax_model(
         compile_s[name] = (t1 - t0, t2 - t1)
         text = compiled.as_text()
         census[name] = hlo_census(text)
-        kernels[name] = step_account.kernels(text)
+        kernels[name] = hlo_account.kernels(text)
         mem = compiled.memory_analysis()
         memory[name] = getattr(mem, "temp_size_in_bytes", None)
 
@@ -922,7 +922,7 @@ def report(
     for model, res in results.items():
         for kind in ("hand", "autocast"):
             found = res["kernels"]
-            acc = step_account.Account(
+            acc = hlo_account.Account(
                 model=f"{model} {kind}",
                 n_params=res["n_params"],
                 leaves=res["leaves"],
