@@ -36,6 +36,10 @@ The version differences it absorbs (jax 0.7.0 to 0.12.0.1):
 - The manual axes in scope (:func:`manual_axes`): the abstract mesh's
   ``manual_axes``, and whether ``shard_map`` checks them
   (``config._check_vma``, a private flag in every version from 0.7.0).
+- A value closed over from an enclosing trace (:func:`enclosing_trace`,
+  :func:`binding_at`): a tracer's ``_trace``, the trace in progress
+  ``core.trace_ctx.trace`` and ``core.set_current_trace``, the same from 0.7.0
+  to 0.12.
 
 This is the ground floor: it imports only JAX and the standard library,
 nothing of jaxscale.
@@ -50,6 +54,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 from jax._src import ad_util, api_util, config, source_info_util
+from jax._src import core as _core
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
@@ -57,14 +62,15 @@ from jax._src.lax import lax as lax_internal
 from jax.extend import core as jcore
 
 __all__ = [
-    "HIGHER_ORDER_NAMES",
     "CustomJvpParts",
     "CustomVjpParts",
+    "HIGHER_ORDER_NAMES",
     "RematParts",
     "ScanParts",
     "ShardMapParts",
     "WhileParts",
     "bind",
+    "binding_at",
     "call_body",
     "call_like_body",
     "close",
@@ -77,12 +83,14 @@ __all__ = [
     "custom_jvp_parts",
     "custom_vjp_parts",
     "dot_dimension_numbers",
+    "enclosing_trace",
     "eqn_context",
     "integer_pow_exponent",
     "jit_body",
+    "manual_axes",
     "mark_varying",
-    "opaque_functions",
     "name_stack_text",
+    "opaque_functions",
     "preferred_element_type",
     "rebind",
     "remat_parts",
@@ -93,7 +101,6 @@ __all__ = [
     "subjaxprs",
     "trace",
     "user_frame",
-    "manual_axes",
     "varying_axes",
     "while_parts",
     "with_combiner",
@@ -645,3 +652,24 @@ def manual_axes() -> tuple[tuple[str, ...], bool]:
     axes = tuple(sorted(getattr(mesh, "manual_axes", ()) or ()))
     checked = getattr(config, "_check_vma", None)
     return axes, bool(axes and checked is not None and checked.value)
+
+
+def enclosing_trace(x: Any) -> Any:
+    """The trace ``x`` belongs to, when ``x`` is a tracer of a trace other
+    than the one in progress (a value a loop body closes over, say); else
+    ``None``."""
+    trace = getattr(x, "_trace", None)
+    if not isinstance(x, _core.Tracer) or trace is None:
+        return None
+    return None if trace is _core.trace_ctx.trace else trace
+
+
+@contextlib.contextmanager
+def binding_at(trace: Any) -> Iterator[None]:
+    """Operations run inside bind at ``trace`` (``None``: where they would):
+    computed there, outside the loop body being traced, and closed over."""
+    if trace is None:
+        yield
+        return
+    with _core.set_current_trace(trace):
+        yield

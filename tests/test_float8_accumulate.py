@@ -250,3 +250,59 @@ def test_the_guides_accumulation_snippets_run_as_written():
     exec(compile(code, "accumulation.md", "exec"), namespace)
     assert (np.asarray(namespace["fp8_state"].history[0])[:, 0] > 0).all()
     assert jax.tree.structure(namespace["grads"]) == jax.tree.structure(params)
+
+
+# --------------------------------------------------------------------------- #
+# Stateless recipes: a weight is quantised once per accumulation window.
+# --------------------------------------------------------------------------- #
+
+
+def _float8_casts(jaxpr, shape):
+    """Casts to float8 of ``shape`` at the top of ``jaxpr`` and inside its
+    ``scan`` bodies."""
+    top = inner = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            sub = _float8_casts(e.params["jaxpr"].jaxpr, shape)
+            inner += sub[0] + sub[1]
+            continue
+        out = e.outvars[0].aval if e.outvars else None
+        if (
+            e.primitive.name == "convert_element_type"
+            and "float8" in str(out.dtype)
+            and tuple(out.shape) == shape
+        ):
+            top += 1
+    return top, inner
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(
+    "recipe",
+    [jxs.float8.CurrentScaling(min_dim=8), jxs.float8.RowwiseScaling(min_dim=8)],
+    ids=["current", "rowwise"],
+)
+def test_a_weight_is_quantised_once_per_window_outside_the_loop(recipe):
+    loss = jxs.autocast(mlp, jnp.bfloat16, float8=recipe)
+    params = {"w1": _normal(0, (32, 32), 0.3), "w2": _normal(1, (32, 16), 0.3)}
+    x, y = _normal(2, (K * 8, 32)), _normal(3, (K * 8, 16))
+    acc = jxs.accumulate_value_and_grad(loss, jxs.NoOpLossScale(), num_microbatches=K)
+    jaxpr = jax.make_jaxpr(acc)(params, x, y).jaxpr
+    # The casts of w1 and w2 are computed before the scan (XLA:GPU does not
+    # hoist them out of the loop itself); none is left inside. (The abstract
+    # evaluation that sizes the sums leaves an unused copy: XLA drops it.)
+    for shape in ((32, 32), (32, 16)):
+        top, inside = _float8_casts(jaxpr, shape)
+        assert top >= 1 and inside == 0, (shape, top, inside)
+    # The same numbers as each micro-batch on its own.
+    value, grads = jax.jit(acc)(params, x, y)
+    parts = [
+        jax.jit(jax.value_and_grad(loss))(
+            params, x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+        )
+        for i in range(K)
+    ]
+    np.testing.assert_allclose(value, np.mean([float(v) for v, _ in parts]), rtol=1e-5)
+    for name in params:
+        want = np.mean([np.asarray(g[name]) for _, g in parts], axis=0)
+        np.testing.assert_allclose(grads[name], want, rtol=1e-4, atol=1e-6)

@@ -43,7 +43,12 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale._accumulate import ACCUMULATING
-from jaxscale._jax_private import dot_dimension_numbers
+from jaxscale._jax_private import (
+    binding_at,
+    dot_dimension_numbers,
+    enclosing_trace,
+    manual_axes,
+)
 from jaxscale._scope import Scope
 from jaxscale.float8._numerics import poison, saturate
 
@@ -476,21 +481,38 @@ def _fwd(key, x, w, state):
     # a value passes it through ``reduce_precision`` with its dtype's exponent
     # and mantissa bits, which for float8_e4m3fn (no infinity) turns every
     # value from 256 to 448 into inf.
+    # A weight that jxs.accumulate_value_and_grad's loop closes over is the
+    # same in every micro-batch: its scale and cast are computed outside the
+    # loop, once per accumulation window (XLA:GPU does not hoist them).
+    home = _loop_constant(recipe, state, w)
+    with binding_at(home):
+        (sw,), (aw,) = _scales(recipe, state, [w], [1], [0])
+        bw = lax.bitcast_convert_type(saturate(w, sw, recipe.fwd_dtype), jnp.uint8)
     # An axiswise recipe's backward quantises x and w again along its own
-    # contractions: it keeps them as they came (their own dtype).
+    # contractions: it keeps them as they came (their own dtype; a loop
+    # constant as it is, for the backward to quantise outside the loop too).
     if recipe.axiswise:
-        x, w = _name(x), _name(w)
-    (sx, sw), (ax, aw) = _scales(recipe, state, [x, w], [0, 1], [1, 0])
+        x, w = _name(x), (w if home is not None else _name(w))
+    (sx,), (ax,) = _scales(recipe, state, [x], [0], [1])
     sx, sw, ax, aw = map(_name, (sx, sw, ax, aw))
-    rx, rw = (
-        _name(lax.bitcast_convert_type(saturate(v, s, recipe.fwd_dtype), jnp.uint8))
-        for v, s in ((x, sx), (w, sw))
-    )
+    rx = _name(lax.bitcast_convert_type(saturate(x, sx, recipe.fwd_dtype), jnp.uint8))
+    rw = _name(bw)
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
     y = _gemm(qx, qw, ((1,), (0,)), sx * sw, out_dtype)
     if recipe.axiswise:
         return y, (x, w, state)
     return y, (rx, rw, sx, sw, ax, aw, state)
+
+
+def _loop_constant(recipe: Any, state: tuple, w: Any) -> Any:
+    """The trace a weight lives in when it is a constant of the micro-batch
+    loop of ``jxs.accumulate_value_and_grad`` (a value its body closes over),
+    else ``None``. Not for a recipe with state (the scale depends on the
+    loop's state) nor inside ``shard_map`` (the amax is reduced over the
+    mesh axes in scope)."""
+    if ACCUMULATING.current() is None or recipe.needs_state or manual_axes()[0]:
+        return None
+    return enclosing_trace(w)
 
 
 def _name(x: jax.Array) -> jax.Array:
@@ -518,8 +540,11 @@ def _bwd_axiswise(key, res, g):
     along M), so x and w are quantised again, and g twice."""
     _, x_dtype, w_dtype, recipe, _ = key
     x, w, state = res
-    (sg, sw), _ = _scales(recipe, state, [g, w], [2, 1], [1, 1])
-    qg, qw = saturate(g, sg, recipe.bwd_dtype), saturate(w, sw, recipe.fwd_dtype)
+    with binding_at(_loop_constant(recipe, state, w)):
+        (sw,), _ = _scales(recipe, state, [w], [1], [1])
+        qw = saturate(w, sw, recipe.fwd_dtype)
+    (sg,), _ = _scales(recipe, state, [g], [2], [1])
+    qg = saturate(g, sg, recipe.bwd_dtype)
     dx = _gemm(qg, qw, ((1,), (1,)), sg * sw.T, x_dtype)  # [M,1] * [1,K]
     (sx, sg), _ = _scales(recipe, state, [x, g], [0, 2], [0, 0])
     qx, qg = saturate(x, sx, recipe.fwd_dtype), saturate(g, sg, recipe.bwd_dtype)
