@@ -112,13 +112,13 @@ def leaf_flags(grads: Any, hi: jax.Array, lo: jax.Array) -> jax.Array | None:
                 key = (_role(path), part.shape, part.dtype)
                 groups.setdefault(key, []).append((i, part))
     found: list[list[int]] = [[] for _ in with_paths]
-    chunks = []
+    chunks, offset = [], 0
     for members in groups.values():
         for start in range(0, len(members), MAX_GROUP):
             chunk = members[start : start + MAX_GROUP]
-            offset = sum(c.shape[0] for c in chunks)
             for j, (i, _) in enumerate(chunk):
                 found[i].append(offset + j)
+            offset += len(chunk)
             chunks.append(_any_nonfinite([p for _, p in chunk], hl))
     chunks.append(jnp.zeros((1,), jnp.bool_))  # integer leaves: never flagged
     bad = jnp.concatenate(chunks)

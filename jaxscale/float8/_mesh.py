@@ -12,17 +12,13 @@ amax on every device (its state stays replicated).
 
 An amax is reduced as a key (:func:`jaxscale.float8._numerics.amax_key`) whose
 maximum keeps inf and NaN as :func:`~jaxscale.float8._numerics.amax` does: one
-scalar all-reduce per tensor; several independent ones are one ``pmax`` of a
-stacked vector (:func:`max_over_devices`), and XLA combines the all-reduces of
-independent scalars in any case.
+scalar all-reduce per tensor (:func:`max_over_devices`); XLA combines the
+all-reduces of independent scalars.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jaxscale._jax_private import manual_axes, varying_axes
@@ -40,22 +36,7 @@ def reduction_axes(x: jax.Array) -> tuple[str, ...]:
     return tuple(a for a in varying_axes(jax.typeof(x)) if a in axes)
 
 
-def max_over_devices(
-    values: Sequence[jax.Array], axes: tuple[str, ...]
-) -> list[jax.Array]:
-    """Each scalar, its maximum over the mesh ``axes``, all in one
-    ``pmax`` of a stacked vector (one all-reduce).
-
-    Args:
-      values: scalars of one dtype (amax keys, :func:`~._numerics.amax_key`).
-      axes: manual mesh axes (``()``: returned as given).
-
-    Returns:
-      The reduced values, in the same order.
-    """
-    if not axes or not values:
-        return list(values)
-    if len(values) == 1:
-        return [lax.pmax(values[0], axes)]
-    out = lax.pmax(jnp.stack(values), axes)
-    return [out[i] for i in range(len(values))]
+def max_over_devices(value: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``value``'s maximum over the mesh ``axes`` (one all-reduce of a scalar;
+    ``value`` itself for ``()``)."""
+    return lax.pmax(value, axes) if axes else value

@@ -59,8 +59,7 @@ def amax(x: jax.Array, axis: int | None = None) -> jax.Array:
             return jnp.zeros((*x.shape[:axis], 1, *x.shape[axis:][1:]), _F32)
         bits = lax.bitcast_convert_type(jnp.abs(x).astype(_F32), jnp.int32)
         return from_key(jnp.max(bits, axis=axis, keepdims=True))
-    (key,) = max_over_devices([amax_key(x)], reduction_axes(x))
-    return from_key(key)
+    return from_key(max_over_devices(amax_key(x), reduction_axes(x)))
 
 
 def amax_key(x: jax.Array) -> jax.Array:
