@@ -34,8 +34,8 @@ Each gradient is ``jax.jit(jax.grad(loss, has_aux=...))`` of the loss alone (no
 optimizer), so the number is the gradient computation's memory.
 
 It also counts *float32 islands* in the autocast loss's jaxpr
-(``jax.make_jaxpr(jxs.autocast(loss))``, sub-jaxprs included through
-``jax.extend.core.jaxprs_in_params``, higher-order equations themselves not
+(``jax.make_jaxpr(jxs.autocast(loss))``, the jaxprs among an equation's
+parameters included, higher-order equations themselves not
 counted): equations whose output is float32 and has at least as many elements as
 the largest float16 output. These are activation-sized tensors that autocast
 keeps in float32; the same count for the hand-cast loss is shown next to it.
@@ -303,10 +303,22 @@ def temp_bytes(loss: Callable, has_aux: bool, args: tuple) -> int:
     return int(mem.temp_size_in_bytes)
 
 
+def _jaxprs_in_params(params) -> Iterator[Any]:
+    """The jaxprs among an equation's parameters, directly or in a tuple or list
+    (``jax.extend.core.jaxprs_in_params``, absent from jax 0.7.1)."""
+    core = jax.extend.core
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, core.Jaxpr):
+                yield v
+
+
 def _equations(jaxpr) -> Iterator[Any]:
     """The first-order equations of ``jaxpr`` and of every sub-jaxpr."""
     for eqn in jaxpr.eqns:
-        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+        subs = list(_jaxprs_in_params(eqn.params))
         if subs:
             for sub in subs:
                 yield from _equations(sub)

@@ -54,12 +54,11 @@ def _nnx() -> Any:
 
 def is_object(x: Any) -> bool:
     """Whether ``x`` is a Flax NNX object (a module, ``nnx.Rngs``, an
-    ``nnx.Optimizer``...): ``nnx.Pytree`` (flax >= 0.12) or ``nnx.Object``."""
+    ``nnx.Optimizer``...): ``nnx.Pytree``."""
     nnx = _nnx()
     if nnx is None:
         return False
-    base = getattr(nnx, "Pytree", None) or nnx.Object
-    return isinstance(x, base)
+    return isinstance(x, nnx.Pytree)
 
 
 def is_state(x: Any) -> bool:
@@ -68,26 +67,18 @@ def is_state(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.State)
 
 
-def _variable_types(nnx: Any) -> tuple[type, ...]:
-    # flax 0.11 (the declared floor) splits into ``nnx.VariableState`` leaves,
-    # a class of its own; flax >= 0.12 keeps ``nnx.Variable`` and turns the old
-    # name into a deprecated alias (read ``vars`` so as not to trigger it).
-    legacy = vars(nnx).get("VariableState")
-    return (nnx.Variable,) if legacy is None else (nnx.Variable, legacy)
-
-
 def is_variable(x: Any) -> bool:
-    """Whether ``x`` is a Flax NNX variable (``nnx.Param``, ``nnx.OptArray``,
-    flax 0.11's ``VariableState``...): a leaf that wraps one array."""
+    """Whether ``x`` is a Flax NNX variable (``nnx.Param``, ``nnx.OptArray``...):
+    a leaf that wraps one array."""
     nnx = _nnx()
-    return nnx is not None and isinstance(x, _variable_types(nnx))
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def unwrap(x: Any) -> Any:
     """The array inside an NNX variable; anything else unchanged."""
     if not is_variable(x):
         return x
-    return x.get_value() if hasattr(x, "get_value") else x.value  # flax 0.11
+    return x.get_value() if hasattr(x, "get_value") else x.value  # flax 0.12.0
 
 
 def has_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -285,5 +276,5 @@ def write_back(variables: Any, old: Any, new: Any) -> None:
             )
         if hasattr(var, "set_value"):
             var.set_value(b)
-        else:  # flax 0.11
+        else:  # flax 0.12.0
             var.value = b

@@ -10,7 +10,9 @@
 * Every test has exactly one tier marker (``unit``, ``core`` or ``integration``,
   see ``[tool.pytest.ini_options]`` in pyproject.toml); collection fails
   otherwise. Doctests of ``jaxscale/`` are ``unit``. ``pytest -m unit`` is the
-  edit-test loop; ``.ci/floors`` runs ``-m "unit or core"``.
+  edit-test loop; ``.ci/floors`` runs ``-m "not pinned"``, ``.ci/ceiling``
+  ``-m "unit or core or construct"``. A ``pinned`` test must be ``integration``
+  and not ``construct`` (collection fails otherwise).
 
 Shared helper functions live in ``helpers.py``; fixtures live here.
 """
@@ -104,18 +106,26 @@ def pytest_make_collect_report(collector):
         if isinstance(item, DoctestItem):
             item.add_marker(pytest.mark.unit)
         if isinstance(item, pytest.Item):
-            tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+            names = {m.name for m in item.iter_markers()}
+            tiers = sorted(names & set(TIERS))
             if len(tiers) != 1:
                 wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier'}")
+            elif "pinned" in names and ({tiers[0], "construct"} & names) != {
+                "integration"
+            }:
+                wrong.append(f"  {item.nodeid}: pinned, but {tiers[0]} or construct")
     if wrong:
         report.outcome, report.result = "failed", []
         report.longrepr = (
-            f"{len(wrong)} test(s) without exactly one tier marker:\n"
+            f"{len(wrong)} test(s) without exactly one tier marker (or pinned "
+            "outside the integration tier):\n"
             + "\n".join(wrong)
             + "\nMark each test (or the file, with a module-level `pytestmark = "
             "pytest.mark.unit`) with exactly one of "
             + ", ".join(f"`{t}`" for t in TIERS)
-            + "; pyproject.toml [tool.pytest.ini_options] says which is which."
+            + "; pyproject.toml [tool.pytest.ini_options] says which is which. A "
+            "`pinned` test (one XLA's figures) is `integration` and not `construct`, "
+            "so that the floors and the ceiling leave it out."
         )
     return report
 

@@ -45,8 +45,8 @@ def relaxed(inner: optax.GradientTransformation) -> optax.GradientTransformation
     return with_promotion(inner, "standard")
 
 
-def _jaxprs_in_params(params) -> Iterator[jcore.Jaxpr]:
-    """``jax.extend.core.jaxprs_in_params`` (absent from jax 0.7.0, the floor)."""
+def jaxprs_in_params(params) -> Iterator[jcore.Jaxpr]:
+    """``jax.extend.core.jaxprs_in_params`` (absent from jax 0.7.1, the floor)."""
     for value in params.values():
         for v in value if isinstance(value, tuple | list) else (value,):
             if isinstance(v, jcore.ClosedJaxpr):
@@ -60,7 +60,7 @@ def all_eqns(jaxpr) -> Iterator[jcore.JaxprEqn]:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in _jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             yield from all_eqns(sub)
 
 

@@ -2,7 +2,7 @@
 devices (flax ``nn.BatchNorm(axis_name=...)``, equinox ``eqx.nn.BatchNorm`` over a
 ``vmap`` axis, a hand-written ``pmean``) normalises activations in the compute
 dtype under ``vmap(axis_name=)``, ``shard_map`` and ``pmap``, as it does on one
-device, and costs no more memory than the hand-cast model."""
+device, and costs no more memory than the same model without ``axis_name``."""
 
 from __future__ import annotations
 
@@ -112,26 +112,34 @@ def test_flax_sync_batch_norm_under_vmap_normalises_in_float16():
         np.testing.assert_array_equal(leaf, jnp.broadcast_to(leaf[:1], leaf.shape))
 
 
-def _temp_bytes(fn, *args):
+def temp_bytes(fn, *args):
+    """The temporary memory of ``jit(fn)`` compiled for one CPU device (on a GPU
+    host too): what XLA:CPU allocates, comparable between programs compiled by
+    the same XLA on the same machine."""
+    args = jax.device_put(args, jax.devices("cpu")[0])
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_flax_sync_batch_norm_gradient_memory_at_most_hand_cast():
-    """The compiled gradient's temporary memory: autocast at or below the same
-    model built with ``dtype=float16`` (and the same as without ``axis_name``)."""
-    results = {}
-    for name, dtype, wrap, axis in [
-        ("hand", jnp.float16, lambda f: f, "batch"),
-        ("autocast", jnp.float32, lambda f: jxs.autocast(f, jnp.float16), "batch"),
-        ("local", jnp.float32, lambda f: jxs.autocast(f, jnp.float16), None),
-    ]:
-        loss, params, stats, x = _flax_setup(dtype, axis)
-        grad = jax.grad(wrap(loss), has_aux=True)
-        fn = jax.vmap(grad, in_axes=(None, None, 0), axis_name="batch")
-        with jax.numpy_dtype_promotion("standard"):  # flax's dtype=float16 layers
-            results[name] = _temp_bytes(fn, params, stats, x)
-    assert results["autocast"] <= results["hand"], results
-    assert results["autocast"] <= results["local"] * 1.02, results
+def sync_block_gradient_memory(dtype, wrap, axis_name):
+    """``temp_bytes`` of the vmapped gradient of ``SyncBlock`` (``dtype``), its
+    loss wrapped in ``wrap``."""
+    loss, params, stats, x = _flax_setup(dtype, axis_name)
+    grad = jax.grad(wrap(loss), has_aux=True)
+    fn = jax.vmap(grad, in_axes=(None, None, 0), axis_name="batch")
+    with jax.numpy_dtype_promotion("standard"):  # flax's dtype=float16 layers
+        return temp_bytes(fn, params, stats, x)
+
+
+def test_flax_sync_batch_norm_gradient_memory_as_without_axis_name():
+    """Synchronising the statistics costs the autocast gradient no memory: the
+    same compiled temporary memory as the same model without ``axis_name``
+    (like with like: one XLA, one CPU, the same dtypes; measured 1.0096x on
+    jax 0.7.0 with AVX512-FP16, 0.998x on jax 0.7.0 to 0.12 without). Against
+    the hand-cast and float32 models: tests/test_compiled_memory.py."""
+    half = lambda f: jxs.autocast(f, jnp.float16)  # noqa: E731
+    synced = sync_block_gradient_memory(jnp.float32, half, "batch")
+    local = sync_block_gradient_memory(jnp.float32, half, None)
+    assert synced <= 1.02 * local, (synced, local)
 
 
 # The CPU backend's 8 devices (tests/conftest.py), also on a GPU host.

@@ -12,8 +12,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import jaxprs_in_params
 from jax import lax
-from jax.extend import core as jcore
 
 from jaxscale._autocast.entry import autocast as jxs_autocast
 from jaxscale.diagnostics._autocast_report import (
@@ -37,7 +37,7 @@ def first_order_eqns(jaxpr):
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = []
     for eqn in jaxpr.eqns:
-        subs = list(jcore.jaxprs_in_params(eqn.params))
+        subs = list(jaxprs_in_params(eqn.params))
         if subs:
             for sub in subs:
                 out += first_order_eqns(sub)
@@ -361,7 +361,9 @@ def test_compare_ranks_a_float16_sum_first():
     assert dict(report.by_primitive["reduce_sum"]) == {"float16": 1}
     worst = report.deviation[0]
     assert worst.primitive == "reduce_sum", report
-    assert worst.local_error > 2 * report.deviation[1].local_error
+    # By how much depends on XLA's summation order (1.9x the next site's error
+    # on jax 0.7.0, 4.1x on 0.10.2 and 0.12.0.1).
+    assert worst.local_error > 1.5 * report.deviation[1].local_error
     # Under the default rules the sum is float32 and adds (almost) nothing.
     default = autocast_report(f, compare=True)(w, x)
     (site,) = [s for s in default.deviation if s.primitive == "reduce_sum"]

@@ -5,7 +5,7 @@ The skip decision is one scalar that every selected leaf reads. Computed as
 ``or`` into each of the ``n`` selects (``n**2`` operands, a compile time
 quadratic in the number of leaves); jaxscale reduces the flags through an
 op that XLA does not fuse into its consumers, so each select reads one
-operand. Pinned on XLA:CPU with the current jax (integration tier).
+operand. Counts of one XLA: `pinned` (the default environment's jax only).
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from helpers import relaxed
 
 import jaxscale as jxs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pinned]
+
+# Compiled for one CPU device by name, on a GPU host too: these are XLA:CPU's
+# figures (XLA:GPU's: benchmarks/step_account.py --target h100|h200).
+CPU = jax.devices("cpu")[0]
 
 _FUSION = re.compile(r"^\s*%?[\w.\-]+ = \S+ fusion\((.*?)\), kind=", re.M)
 
@@ -32,6 +36,7 @@ _FUSION = re.compile(r"^\s*%?[\w.\-]+ = \S+ fusion\((.*?)\), kind=", re.M)
 def fusion_operands(n_leaves: int) -> list[int]:
     """The operand count of every fusion of the compiled step."""
     step, args = step_for(n_leaves)
+    args = jax.device_put(args, CPU)
     text = jax.jit(step).lower(*args).compile().as_text()
     return [len(m.group(1).split(",")) for m in _FUSION.finditer(text)]
 
@@ -62,8 +67,8 @@ def test_no_fusion_reads_every_leafs_flag():
 
 # --------------------------------------------------------------------------- #
 # Kernels and bytes, by benchmarks/step_account.py's accounting of the
-# optimized HLO (on whatever backend runs the suite). The assertions are on
-# our own counts, with margins, not on XLA's fusion names.
+# optimized HLO of XLA:CPU. The assertions are on our own counts, with margins,
+# not on XLA's fusion names.
 # --------------------------------------------------------------------------- #
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -107,6 +112,7 @@ def layered_step(n_layers: int, scaled: bool, inner=None):
         return optax.apply_updates(params, updates), opt_state
 
     args = (params, tx.init(params), jnp.ones((4, SIDE)))
+    args = jax.device_put(args, CPU)
     text = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     return step_account.kernels(text), n_params
@@ -155,3 +161,22 @@ def test_bytes_added_per_parameter():
     assert state_passes(ours) <= 1.02 * state_passes(bare), state_passes(
         ours
     ) / state_passes(bare)
+
+
+# --------------------------------------------------------------------------- #
+# Across devices: XLA's all-reduce combiner (tests/test_multidevice.py checks,
+# on every jax, that the decision reduces scalar flags and gathers nothing).
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_fully_sharded_step_combines_its_flags_into_one_all_reduce(axis_type):
+    # jax 0.10.2 and 0.12 combine the flags into one all-reduce on the path
+    # every step takes; jax 0.7.0 left three (one per leaf).
+    from test_multidevice import fully_sharded_collectives
+
+    axis_type = getattr(jax.sharding.AxisType, axis_type)
+    found, _ = fully_sharded_collectives(
+        axis_type, jxs.dynamic_scaling(optax.sgd(0.1, momentum=0.9))
+    )
+    assert sum(on_entry for _, on_entry, _ in found) == 1, found

@@ -402,6 +402,15 @@ def hlo_op_count(text):
     return len(_OP.findall(text))
 
 
+_CALLBACK = re.compile(r"custom-call\(.*custom_call_target=\"[^\"]*callback", re.M)
+
+
+def host_callbacks(text):
+    """Custom calls into the host (``*_callback`` targets) of a compiled module:
+    not every custom call, since XLA:GPU compiles a matmul to one (cuBLAS)."""
+    return len(_CALLBACK.findall(text))
+
+
 def compiled_train_step(tx):
     rng = np.random.default_rng(0)
     params = {
@@ -434,8 +443,8 @@ def test_hooks_are_a_wrapper_the_plain_step_has_none():
         ),
     }
     counts = {k: hlo_op_count(t) for k, t in texts.items()}
-    calls = {k: t.count("custom-call") for k, t in texts.items()}
-    print(f"\nHLO op counts: {counts}; custom-calls: {calls}")
+    calls = {k: host_callbacks(t) for k, t in texts.items()}
+    print(f"\nHLO op counts: {counts}; host callbacks: {calls}")
     assert calls["plain"] == 0 and "callback" not in texts["plain"]
     assert calls["hooks"] >= 2 and counts["hooks"] > counts["plain"]
 

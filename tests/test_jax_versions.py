@@ -1,7 +1,7 @@
 """Autocast on every JAX from the declared floor to the newest: the constructs
 whose parameters change between versions, and the adapter that reads them.
 
-CI runs this file on three legs (README, "Two commands"): the floor (jax 0.7.0),
+CI runs this file on three legs (README, "Two commands"): the floor (jax 0.7.1),
 the default (Python 3.11: jax <= 0.10.2) and the ceiling (Python >= 3.12: the
 newest jax). Each test says what it guards against: a construct that ran "as
 traced" (nothing inside it in low precision) or crashed on one version.

@@ -170,33 +170,40 @@ def test_fully_sharded_inf_in_one_block_skips_on_every_device(axis_type):
     assert new_params["v"].sharding.spec == specs["v"]
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-def test_fully_sharded_step_has_one_scalar_all_reduce_and_no_gather(axis_type):
+def fully_sharded_collectives(axis_type, tx):
+    """``collectives`` of a jitted FSDP step of ``tx`` (parameters, gradients
+    and state sharded over 8 CPU devices) and its number of leaves."""
     mesh = mesh_of(axis_type)
     specs = fsdp_specs()
     params = put(fsdp_params(), mesh, specs)
     grads = put(fsdp_grads(1.0), mesh, specs)
-    n_leaves = len(jax.tree.leaves(params))
 
-    def compiled(tx):
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
 
-        state = tx.init(params)
-        return jax.jit(step).lower(params, state, grads).compile().as_text()
+    state = tx.init(params)
+    hlo = jax.jit(step).lower(params, state, grads).compile().as_text()
+    return collectives(hlo), len(jax.tree.leaves(params))
 
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_fully_sharded_step_reduces_flags_and_gathers_nothing(axis_type):
+    """The decision costs scalar all-reduces only. How many XLA combines them
+    into is its own choice (one on jax 0.10.2 and 0.12, three on 0.7.0):
+    tests/test_compiled_step.py pins that on the default jax."""
     inner = optax.sgd(0.1, momentum=0.9)
-    assert collectives(compiled(inner)) == []  # the bare step needs none
-    found = collectives(compiled(jxs.dynamic_scaling(inner)))
+    bare, _ = fully_sharded_collectives(axis_type, inner)
+    assert bare == []  # the bare step needs none
+    found, n_leaves = fully_sharded_collectives(axis_type, jxs.dynamic_scaling(inner))
     kinds = {kind for kind, _, _ in found}
     assert kinds == {"all-reduce"}, found  # no all-gather, all-to-all, ...
     for _, _, sizes in found:
         # One scalar per gradient leaf at most: never a block of a gradient.
         assert all(size == 1 for size in sizes), found
-        assert len(sizes) <= n_leaves, found
-    # The path every step takes holds exactly one (combined) all-reduce.
-    assert sum(on_entry for _, on_entry, _ in found) == 1, found
+    assert sum(len(sizes) for _, _, sizes in found) <= n_leaves, found
+    # The path every step takes reduces the flags (not only a branch).
+    assert any(on_entry for _, on_entry, _ in found), found
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

@@ -6,11 +6,11 @@ import re
 from pathlib import Path
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import jaxprs_in_params
 
 import jaxscale as jxs
 
@@ -241,7 +241,7 @@ def test_nnx_state_variables_and_modules():
     kinds = {}
     for _, var in nnx.to_flat_state(cast):
         kind = type(var).__name__
-        kinds[kind] = kinds.get(kind, set()) | {str(var.get_value().dtype)}
+        kinds[kind] = kinds.get(kind, set()) | {str(var[...].dtype)}
     assert kinds["Param"] == {"float16"} and kinds["BatchStat"] == {"float16"}
     assert kinds["RngCount"] == {"uint32"} and kinds["RngKey"] == {"key<fry>"}
 
@@ -249,16 +249,16 @@ def test_nnx_state_variables_and_modules():
     policy = jxs.Policy(compute_dtype=jnp.float16)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     half = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    assert half.layers[0].kernel.get_value().dtype == F16
-    assert half.layers[1].mean.get_value().dtype == F32
-    assert model.layers[0].kernel.get_value().dtype == F32  # original untouched
+    assert half.layers[0].kernel[...].dtype == F16
+    assert half.layers[1].mean[...].dtype == F32
+    assert model.layers[0].kernel[...].dtype == F32  # original untouched
 
     # A Variable and a whole module are pytrees too.
     kernel = jxs.cast_floating(model.layers[0].kernel, jnp.bfloat16)
-    assert isinstance(kernel, nnx.Param) and kernel.get_value().dtype == BF16
+    assert isinstance(kernel, nnx.Param) and kernel[...].dtype == BF16
     module = jxs.cast_floating(model, jnp.bfloat16)
-    assert module.layers[0].kernel.get_value().dtype == BF16
-    assert module.layers[2].rngs.count.get_value().dtype == np.uint32
+    assert module.layers[0].kernel[...].dtype == BF16
+    assert module.layers[2].rngs.count[...].dtype == np.uint32
 
 
 @pytest.mark.core
@@ -330,7 +330,7 @@ def _dot_dtypes(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             found += _dot_dtypes(sub)
     return found
 

@@ -109,15 +109,19 @@ def test_minus_m_skips_a_file_only_when_no_test_in_it_can_match(
 def test_the_tiers_are_registered_markers():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
     registered = {m.split(":")[0] for m in ini["ini_options"]["markers"]}
-    assert set(TIERS) | {"isa", "slow"} <= registered
+    assert set(TIERS) | {"isa", "slow", "pinned", "construct"} <= registered
     assert "--strict-markers" in ini["ini_options"]["addopts"]
 
 
-@pytest.mark.parametrize("leg", ["floors", "ceiling"])
-def test_floors_select_by_marker_not_by_file_list(leg):
+@pytest.mark.parametrize(
+    "leg, selection",
+    [("floors", '-m "not pinned"'), ("ceiling", '-m "unit or core or construct"')],
+)
+def test_floors_select_by_marker_not_by_file_or_test_name(leg, selection):
     script = (ROOT / ".ci" / leg).read_text()
     assert not re.search(r"tests/test_\w+\.py", script), script
-    assert '-m "unit or core or construct"' in script, script
+    assert not re.search(r"pytest .* -k ", script), script  # a test left out by name
+    assert selection in script, script
 
 
 def test_the_avx2_pass_selects_by_marker():
