@@ -1,4 +1,8 @@
-"""The benchmarks run: ``--quick`` (tiny sizes, a few rounds) so they cannot rot."""
+"""The benchmarks run: ``--quick`` (tiny sizes, a few rounds) so they cannot rot.
+
+``pinned``: what they print (kernels and bytes of float8 against bfloat16, of the
+scaled step against the bare one, memory against the hand-cast model) are one
+XLA's figures on one machine, so they run in the default environment only."""
 
 import re
 from pathlib import Path
@@ -6,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_script
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pinned]
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -84,7 +88,6 @@ def test_float8_benchmark_tiny(tmp_path):
     assert re.search(r"^targets: compile time, worst .* target <= 1\.50: ", out, re.M)
 
 
-@pytest.mark.pinned  # kernels and bytes of float8 against bfloat16: one XLA's
 def test_float8_passes_benchmark_tiny(tmp_path):
     # benchmarks/float8_passes.py --tiny: the compiled steps' kernels and bytes,
     # float8 against bfloat16, with nothing run.
@@ -124,7 +127,6 @@ def test_float8_passes_benchmark_tiny(tmp_path):
             assert abs(ours - xla) <= 0.01 * xla + 0.1, row
 
 
-@pytest.mark.pinned  # the scaled step's bytes against the bare one's: one XLA's
 def test_step_account_tiny(tmp_path):
     # benchmarks/step_account.py --tiny: the MLP and a one-layer GPT, each
     # compiled bare and with dynamic_scaling; a totals line and a table row

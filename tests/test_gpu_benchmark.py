@@ -10,7 +10,7 @@ import jax
 import pytest
 from helpers import run_script
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pinned]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 MODELS = ("realistic", "small")

@@ -114,6 +114,7 @@ def test_padded_lm_refuses_bad_options(capsys):
     assert "`--pad` must be in [0, 1], got 1.5." in capsys.readouterr().err
 
 
+@pytest.mark.pinned  # benchmarks/autocast_memory.py: one XLA's figures
 def test_autocast_memory_quick(tmp_path, capsys):
     path = tmp_path / "memory.json"
     # Flax's hand-cast BatchNorm and LayerNorm promote float16 statistics to
