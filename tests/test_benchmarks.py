@@ -151,3 +151,21 @@ def test_step_account_tiny(tmp_path):
         assert re.search(rf"^\| {model} \| [\d,]+ \| \d+ \| \d+ -> \d+", out, re.M)
         for name in ("bare", "scaled"):
             assert (tmp_path / "hlo" / f"{model}_{name}.hlo.txt").stat().st_size > 0
+
+
+def test_compiled_memory_benchmark(tmp_path):
+    # benchmarks/compiled_memory.py: the ratios the pinned memory tests assert,
+    # for this jax and CPU; one row per model.
+    proc = run_script(BENCHMARKS / "compiled_memory.py", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert re.search(r"^env: jax [\d.]+ \| .*avx512_fp16 (True|False)$", out, re.M)
+    rows = re.findall(
+        r"^\| (.+?) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| "
+        r"(.+) ([\d.]+) \|$",
+        out,
+        re.M,
+    )
+    assert [r[0] for r in rows] == ["sync BatchNorm block", "Dense stack"], out
+    sync = rows[0]
+    assert sync[6] == "autocast / no axis_name" and float(sync[7]) <= 1.02, out
