@@ -172,7 +172,7 @@ def test_bytes_added_per_parameter():
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_fully_sharded_step_combines_its_flags_into_one_all_reduce(axis_type):
     # jax 0.10.2 and 0.12 combine the flags into one all-reduce on the path
-    # every step takes; jax 0.7.0 left three (one per leaf).
+    # every step takes; jax 0.7.0 and 0.7.1 left three (one per leaf).
     from test_multidevice import fully_sharded_collectives
 
     axis_type = getattr(jax.sharding.AxisType, axis_type)

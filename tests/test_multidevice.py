@@ -190,7 +190,7 @@ def fully_sharded_collectives(axis_type, tx):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_fully_sharded_step_reduces_flags_and_gathers_nothing(axis_type):
     """The decision costs scalar all-reduces only. How many XLA combines them
-    into is its own choice (one on jax 0.10.2 and 0.12, three on 0.7.0):
+    into is its own choice (one on jax 0.10.2 and 0.12, three on 0.7.x):
     tests/test_compiled_step.py pins that on the default jax."""
     inner = optax.sgd(0.1, momentum=0.9)
     bare, _ = fully_sharded_collectives(axis_type, inner)
