@@ -48,8 +48,22 @@ __all__ = [
 
 def _nnx() -> Any:
     """``flax.nnx`` if the user has imported it, else ``None`` (an NNX object
-    can only exist if they have)."""
-    return sys.modules.get("flax.nnx")
+    can only exist if they have).
+
+    Raises:
+      ImportError: if it is older than flax 0.12.0, the declared floor (no
+        ``nnx.Pytree``).
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and not hasattr(nnx, "Pytree"):
+        version = getattr(sys.modules.get("flax"), "__version__", "< 0.12")
+        raise ImportError(
+            f"jaxscale's Flax NNX support needs flax >= 0.12.0, found flax "
+            f"{version}. Upgrade with `pip install -U 'flax>=0.12'`: under flax "
+            "0.11 a loss that closes over a split module loses its BatchNorm and "
+            "RNG updates without an error."
+        )
+    return nnx
 
 
 def is_object(x: Any) -> bool:

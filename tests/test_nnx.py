@@ -729,3 +729,17 @@ def test_accumulation_over_a_closed_over_split_module_says_what_to_do():
 
     with pytest.raises(TypeError, match=r"Pass the module, and any `nnx.Rngs`"):
         step(model, optimizer)
+
+
+def test_an_nnx_older_than_the_floor_is_refused_with_the_fix(monkeypatch):
+    """flax 0.11's NNX (no ``nnx.Pytree``) is below the declared floor: there a
+    loss closing over a split module drops its updates silently, so jaxscale
+    refuses it by name rather than guess (``flax.nnx`` stands in for it here)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flax.nnx", types.ModuleType("flax.nnx"))
+    tx = jxs.dynamic_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ImportError, match=r"needs flax >= 0\.12\.0, found flax "):
+        jxs.value_and_grad(lambda p: jnp.sum(p["w"]), tx.init(params))(params)
