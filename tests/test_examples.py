@@ -103,13 +103,8 @@ def test_there_are_examples():
 ARGS = {
     # Two of its five runs: tests/test_float8_example.py runs all five.
     "float8_char.py": [
-        "--seeds",
-        "0",
-        "--eval-every",
-        "30",
-        "--runs",
-        "bf16",
-        "fp8-current",
+        *("--seeds", "0", "--eval-every", "30"),
+        *("--runs", "bf16", "fp8-current"),
     ],
     "padded_lm.py": [
         *("--runs", "fp32,fp16-autocast", "--context", "16", "--dim", "16"),
