@@ -86,7 +86,11 @@ def test_the_backward_matmuls_stay_in_float16():
     through the cast that float16 scores needed before), so the backward's
     products are float16 GEMMs, not float32 ones."""
     q, k, v = qkv(7e4)
-    f = jxs.autocast(jax.nn.dot_product_attention, jnp.float16)
+    # q, k and v are inputs here (in a model they are activations): with the
+    # default float32 gradient products of inputs, v's would be float32.
+    f = jxs.autocast(
+        jax.nn.dot_product_attention, jnp.float16, gradient_dtype=jnp.float16
+    )
 
     def loss(q, k, v):
         return jnp.sum(f(q, k, v) ** 2)

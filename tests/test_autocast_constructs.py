@@ -72,7 +72,14 @@ def check(fn, *args, grads=True, dots=(("float16", "float16"),)):
     for a, gi, ri in zip(args, g, g_ref, strict=True):
         assert gi.dtype == a.dtype
         np.testing.assert_allclose(gi, ri, rtol=5e-2, atol=5e-2)
+    # The backward's products: in float16, but for the weight-gradient terms of
+    # float32 inputs, which take a float32 tangent and give float32 (the
+    # cotangent crosses devices in float32; jaxscale._autocast.gradients).
     backward = jax.grad(lambda *a: total(cast(*a)), argnums)
+    wide = {("float32", "float16"), ("float16", "float32")}
+    assert dot_dtypes(backward, *args) - wide == set(dots)
+    narrow = jxs.autocast(fn, gradient_dtype=jnp.float16)
+    backward = jax.grad(lambda *a: total(narrow(*a)), argnums)
     assert dot_dtypes(backward, *args) == set(dots)
     return out
 
@@ -339,15 +346,31 @@ def test_gradients_match_the_hand_cast_function_and_run_in_float16():
     for k in PARAMS:
         assert g[k].dtype == F32
         np.testing.assert_allclose(g[k], g_hand[k], rtol=1e-2, atol=1e-3)
-    # In the un-optimised program, every matmul (2 forward, 3 backward) has
-    # float16 operands and a float16 result.
-    hlo = jax.jit(jax.grad(jxs.autocast(mlp))).lower(PARAMS, X).as_text()
+    # With `gradient_dtype=float16`, every matmul of the un-optimised program
+    # (2 forward, 3 backward) has float16 operands and a float16 result.
+    narrow = jxs.autocast(mlp, gradient_dtype=jnp.float16)
+    hlo = jax.jit(jax.grad(narrow)).lower(PARAMS, X).as_text()
     dots = re.findall(r"stablehlo.dot_general.*", hlo)
     assert len(dots) == 5
     for line in dots:
         assert re.search(
             r"\(tensor<[\dx]+xf16>, tensor<[\dx]+xf16>\) -> tensor<[\dx]+xf16>", line
         ), line
+    # By default the two weight gradients come out of their products in
+    # float32, for a GPU from float16 operands (the dot algorithm); the
+    # activation's gradient stays float16.
+    hlo = (
+        jax.jit(jax.grad(jxs.autocast(mlp)))
+        .trace(PARAMS, X)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    dots = re.findall(r"stablehlo.dot_general.*", hlo)
+    assert len(dots) == 5
+    f16_f32 = [d for d in dots if "lhs_precision_type = f16" in d]
+    assert len(f16_f32) == 2, dots
+    for line in f16_f32:
+        assert "accumulation_type = f32" in line and line.endswith("f32>"), line
 
 
 def bias_stack(width=256, depth=4, batch=512):

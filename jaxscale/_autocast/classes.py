@@ -22,6 +22,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jcore
 
+from jaxscale._autocast.gradients import wide_gradient_product
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
     SELECTIONS,
@@ -162,8 +163,13 @@ class Lower(RuleClass):
                 it.note(f"constant {misfit[1]}: runs in float32")
                 target = _F32
                 break
-        vals = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
-        return promote(it, eqn, vals, infos, traced), None
+        cast = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
+        cast = promote(it, eqn, cast, infos, traced)
+        if eqn.primitive.name == "dot_general":
+            for v, i, c in zip(vals, infos, cast, strict=True):
+                if i.wide and dtype_of(v) == _F32 and dtype_of(c) == it.dtype:
+                    it.mark_wide_gradient(c, v)
+        return cast, None
 
     def adjust_params(self, it, eqn, vals, traced):
         params = super().adjust_params(it, eqn, vals, traced)
@@ -175,6 +181,9 @@ class Lower(RuleClass):
         if _widens(it, eqn, params, vals):
             it.note(WIDE_NOTE)
             return [wide_product(eqn.primitive, params, vals[0], vals[1])]
+        sources = [it.wide_gradient_source(v) for v in vals]
+        if any(s is not None for s in sources):
+            return [wide_gradient_product(eqn.primitive, params, vals, sources)]
         return bind(eqn.primitive, params, vals)
 
     def out_infos(self, it, eqn, infos, outs):

@@ -24,6 +24,7 @@ from jaxscale._autocast.classes import (
     plugin_classes,
     plugin_names,
 )
+from jaxscale._autocast.gradients import gradient_policy
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import REGION_PREFIX, Interpreter
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
@@ -77,6 +78,7 @@ def autocast(
     enabled: bool = True,
     cast_outputs: bool = True,
     float8: Any = None,
+    gradient_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Runs ``fun`` in mixed precision with per-operation dtypes, as torch.autocast.
 
@@ -226,6 +228,7 @@ def autocast(
       [dtype('float32'), dtype('float16')]
     """
     dt, table, classes, plugin = plan(dtype, rules, float8)
+    wide = gradient_policy(gradient_dtype, dt)
     for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(
@@ -241,6 +244,7 @@ def autocast(
             enabled=enabled,
             cast_outputs=cast_outputs,
             float8=plugin,
+            gradient_dtype=gradient_dtype,
         )
     if not callable(fun):
         raise TypeError(
@@ -256,7 +260,9 @@ def autocast(
                 return fun(*args, **kwargs)
         ext = plugin.begin() if plugin is not None else None
         it = Interpreter(dt, table, HANDLERS, classes=classes, extension=ext)
-        out = interpret(fun, it, args, kwargs, cast_outputs=bool(cast_outputs))
+        out = interpret(
+            fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
+        )
         if plugin is not None:
             plugin.end(ext)
         return out
@@ -353,11 +359,15 @@ def interpret(
     args: tuple,
     kwargs: dict,
     cast_outputs: bool = True,
+    wide: Callable[[str], bool] | None = None,
 ) -> Any:
     """``fun(*args, **kwargs)`` traced once and evaluated by ``it`` (an
     :class:`~jaxscale._autocast.interp.Interpreter`, or an observing subclass for
-    the report); NNX modules among the arguments get their new state back."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+    the report); NNX modules among the arguments get their new state back.
+    ``wide(path)`` says whether the input at ``path`` (``"[0]['w']"``) has its
+    gradient leave matmuls in float32 (every input if ``None``)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in with_paths]
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     modules = [("a", i) for i, a in enumerate(args) if is_object(a)]
     modules += [("k", k) for k, v in kwargs.items() if is_object(v)]
@@ -382,7 +392,11 @@ def interpret(
     dyn = [leaves[i] for i in dynamic]
     closed = jax.make_jaxpr(flat)(*dyn)
     with jax.named_scope(f"{REGION_PREFIX}_{it.dtype.name}"):
-        outs, _ = it.eval_closed(closed, dyn, [input_info(x) for x in dyn])
+        infos = [
+            input_info(leaves[i], wide is None or wide(_path(with_paths[i][0])))
+            for i in dynamic
+        ]
+        outs, _ = it.eval_closed(closed, dyn, infos)
     n_out = shapes["out"].num_leaves
     # The output contract: every output in the dtype ``fun`` gives it.
     if cast_outputs:
@@ -399,6 +413,12 @@ def interpret(
         module = (args if where == "a" else kwargs)[key]
         _write_back(module, tree, new, traced)
     return result
+
+
+def _path(keys: tuple) -> str:
+    """An argument leaf's path, ``(args, kwargs)``'s own key left out:
+    ``"[0]['params']['w']"`` for a positional argument, ``"['x']"`` for ``x=``."""
+    return jax.tree_util.keystr(tuple(keys[1:]))
 
 
 def _as_traced(x: Any, aval: Any) -> Any:

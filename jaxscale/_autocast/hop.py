@@ -147,7 +147,13 @@ def _scan(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Resu
     dts = _carry_dtypes(body.in_avals[nc : nc + nk], init)
     carry_infos = [fresh_info(v) for v in init]
     x_infos = [
-        Info(len(np.shape(x)) - 1, i.param, False, size_of(x) // max(length, 1))
+        Info(
+            len(np.shape(x)) - 1,
+            i.param,
+            False,
+            size_of(x) // max(length, 1),
+            wide=i.wide,
+        )
         for x, i in zip(xs, infos[nc + nk :], strict=True)
     ]
     body_infos = [*infos[:nc], *carry_infos, *x_infos]
@@ -265,7 +271,10 @@ def _custom_jvp(
     def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         rule, out_zeros = parts.rule(len(xs))
         with it.ext.suspended():
-            outs, _ = it.eval_closed(rule, [*xs, *ts], [*pinfos, *pinfos])
+            # Tangents are not inputs whose gradient leaves a matmul wide: the
+            # rule's products on them are transposed by the rule's own terms.
+            tinfos = [i._replace(wide=False) for i in pinfos]
+            outs, _ = it.eval_closed(rule, [*xs, *ts], [*pinfos, *tinfos])
         n = len(out_zeros)
         ref = jax.eval_shape(impl, *xs)  # the primal function's output dtypes
         out_p = [cast(o, r.dtype) for o, r in zip(outs[:n], ref, strict=True)]

@@ -201,6 +201,9 @@ class Interpreter:
         # Casts made in the jaxpr being evaluated, so that a value used by several
         # equations is cast once: id -> (value, dtype, cast value).
         self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+        # Casts of float32 inputs whose gradients leave products in float32:
+        # id -> (cast value, source), see ``mark_wide_gradient``.
+        self._wide_gradients: dict[int, tuple[Any, Any]] = {}
         # Called with a Record after each first-order equation (the report).
         self.observer: Callable[[Record], None] | None = None
         self._notes: list[str] = []
@@ -216,6 +219,16 @@ class Interpreter:
         """The extension whose hooks the higher-order handlers call (see
         :class:`Extension`): the one given, else one that adds nothing."""
         return self.extension if self.extension is not None else NO_EXTENSION
+
+    def mark_wide_gradient(self, low: Any, source: Any) -> None:
+        """``low`` is the 16-bit cast of ``source``, a float32 input (or a
+        view of one) whose gradient leaves a product in float32."""
+        self._wide_gradients[id(low)] = (low, source)
+
+    def wide_gradient_source(self, x: Any) -> Any:
+        """The float32 value ``x`` was marked as the cast of, or ``None``."""
+        hit = self._wide_gradients.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else None
 
     def cast(self, x: Any, dtype: np.dtype) -> Any:
         if dtype_of(x) == dtype:

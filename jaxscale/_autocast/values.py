@@ -70,6 +70,9 @@ class Info(NamedTuple):
     src_size: int = 0  # elements of the array it was broadcast from
     stat: bool = False  # a reduction's result, or computed from reductions only
     const: Const | None = None  # its values, when they are known at trace time
+    # An input (or a view of one) whose gradient leaves a matmul in float32
+    # (``autocast``'s ``gradient_dtype``): see ``jaxscale._autocast.gradients``.
+    wide: bool = False
 
 
 def size_of(x: Any) -> int:
@@ -81,8 +84,8 @@ def fresh_info(x: Any) -> Info:
     return Info(len(np.shape(x)), False, False, size_of(x))
 
 
-def input_info(x: Any) -> Info:
-    return Info(len(np.shape(x)), True, False, size_of(x))
+def input_info(x: Any, wide: bool = False) -> Info:
+    return Info(len(np.shape(x)), True, False, size_of(x), wide=wide)
 
 
 def const_info(x: Any, param: bool = True) -> Info:
@@ -305,7 +308,7 @@ def provenance(
     result = []
     for out in outs:
         shape = np.shape(out)
-        src, param, lowered = len(shape), False, False
+        src, param, lowered, wide = len(shape), False, False, False
         src_size, const = size_of(out), None
         if in_size is not None and all(
             len(getattr(v.aval, "shape", ())) in (0, len(shape)) for v in eqn.invars
@@ -319,7 +322,7 @@ def provenance(
             src = first.src_rank if same_rank else src
             src_size = first.src_size
         if infos and name in _SAME_PARAM:
-            param = infos[0].param
+            param, wide = infos[0].param, infos[0].wide
         if infos and name in _SAME_LOWERED:
             lowered = infos[0].lowered
         if infos and name in _SAME_VALUES and infos[0].const is not None:
@@ -334,6 +337,7 @@ def provenance(
                 min(src_size, size_of(out)),
                 stat and floating(dtype_of(out)),
                 const,
+                wide,
             )
         )
     return result

@@ -1,0 +1,138 @@
+"""Weight gradients that leave their matmul in float32 (``gradient_dtype``).
+
+Under ``jit`` with sharded arrays XLA's partitioner inserts the reduction of a
+weight gradient across devices on the partial sums of its product, before any
+cast that follows. In ``jax.grad(jxs.autocast(loss))`` that product is the
+transpose of a 16-bit matmul, so the gradient of a float32 parameter would be
+all-reduced (data parallel) or reduce-scattered (FSDP) in 16 bits and only then
+widened. :func:`wide_gradient_product` binds the forward product as before (16-bit
+operands, 16-bit output) with a derivative whose weight term takes the float32
+tangent, so its transpose, the weight-gradient product, multiplies the 16-bit
+cotangent by the 16-bit activation and accumulates and returns float32: the
+reduction the partitioner inserts is float32, as torch DDP's of an fp32
+parameter's gradient.
+
+On CUDA the term carries the ``F16_F16_F32``/``BF16_BF16_F32`` dot algorithm, so
+XLA:GPU runs that product on 16-bit operands with a float32 result (the tangent,
+a float32 widening of a 16-bit cotangent, is narrowed back exactly); elsewhere
+(XLA:CPU rejects the algorithms) it is the same product with mixed operands,
+which XLA:CPU computes in float32 anyway. ``lax.platform_dependent`` picks at
+lowering time, so a step compiled for a GPU from a CPU host gets the GPU form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from jaxscale._autocast.values import cast, dtype_of
+from jaxscale._jax_private import bind, preferred_element_type, with_dot_algorithm
+from jaxscale._policy import parse_float_dtype
+
+__all__ = ["gradient_policy", "wide_gradient_product"]
+
+_F32 = np.dtype("float32")
+_ALGORITHMS = {
+    np.dtype("float16"): lax.DotAlgorithmPreset.F16_F16_F32,
+    np.dtype(jax.numpy.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+}
+
+
+def wide_gradient_product(
+    primitive: Any,
+    params: Mapping[str, Any],
+    vals: Sequence[Any],
+    sources: Sequence[Any | None],
+) -> Any:
+    """``bind(primitive, params, vals)`` (a ``dot_general``), differentiated so
+    that the cotangent of each float32 ``sources[i]`` (``vals[i]`` is its 16-bit
+    cast; ``None`` where it is not one) comes out of its product in float32."""
+    low = [dtype_of(v) for v in vals]
+    primals = [v if s is None else s for v, s in zip(vals, sources, strict=True)]
+    out_dtype = preferred_element_type(params) or low[0]
+
+    def narrowed(ops: Sequence[Any]) -> list[Any]:
+        return [cast(o, d) for o, d in zip(ops, low, strict=True)]
+
+    @jax.custom_jvp
+    def product(*ops: Any) -> Any:
+        return bind(primitive, params, narrowed(ops))[0]
+
+    def jvp(ops: tuple, tangents: tuple) -> tuple[Any, Any]:
+        narrow = narrowed(ops)
+        terms = []
+        for i, t in enumerate(tangents):
+            if isinstance(t, SymbolicZero):
+                continue
+            args = [*narrow[:i], t, *narrow[i + 1 :]]
+            if sources[i] is None:
+                term = bind(primitive, params, args)[0]
+            else:
+                term = _wide_term(primitive, params, args, low[i])
+            terms.append(cast(term, out_dtype))
+        total = terms[0]
+        for t in terms[1:]:
+            total = total + t
+        return product(*ops), total
+
+    product.defjvp(jvp, symbolic_zeros=True)
+    return product(*primals)
+
+
+def _wide_term(
+    primitive: Any, params: Mapping[str, Any], args: list[Any], low: np.dtype
+) -> Any:
+    """The product with a float32 tangent among ``args`` (the others in
+    ``low``), accumulated and returned in float32: on CUDA with the 16-bit dot
+    algorithm (the tangent narrowed exactly, since its cotangent is 16-bit)."""
+    wide = with_dot_algorithm(params, None, _F32)
+    algorithm = _ALGORITHMS.get(np.dtype(low))
+    if algorithm is None:
+        return bind(primitive, wide, args)[0]
+    on_gpu = with_dot_algorithm(params, algorithm, _F32)
+    return lax.platform_dependent(
+        *args,
+        cuda=lambda *a: bind(primitive, on_gpu, a)[0],
+        default=lambda *a: bind(primitive, wide, a)[0],
+    )
+
+
+def gradient_policy(gradient_dtype: Any, dtype: np.dtype) -> Callable[[str], bool]:
+    """``autocast``'s ``gradient_dtype`` checked: a function of an input's path
+    (``"[0]['params']['w']"``) that says whether its gradient leaves a matmul in
+    float32 (``True``) or in ``dtype``, the autocast dtype."""
+    if callable(gradient_dtype) and not isinstance(gradient_dtype, type):
+
+        def wide(path: str) -> bool:
+            return _is_wide(gradient_dtype(path), dtype, path)
+
+        return wide
+    fixed = _is_wide(gradient_dtype, dtype, None)
+    return lambda path: fixed
+
+
+def _is_wide(value: Any, dtype: np.dtype, path: str | None) -> bool:
+    where = "" if path is None else f" for the input at {path}"
+    if value is None:
+        return True
+    try:
+        dt = parse_float_dtype(value, "gradient_dtype")
+    except (TypeError, ValueError):
+        dt = None
+    if dt == _F32:
+        return True
+    if dt is not None and (dt == dtype or dtype == _F32 and dt in _ALGORITHMS):
+        return False
+    raise ValueError(
+        f"`gradient_dtype` must be float32 (the default: a float32 input's "
+        f"gradient leaves its matmuls, and crosses devices, in float32), the "
+        f"autocast dtype ({dtype.name}: half the bytes, rounded once per "
+        f"product and summed in {dtype.name} across devices), None (the "
+        "default) or a function of an input's path returning one of them; got "
+        f"{value!r}{where}."
+    )
