@@ -1,0 +1,297 @@
+"""A float32 input's gradient leaves its matmuls in float32 under autocast
+(``gradient_dtype``), so the reduction XLA's partitioner inserts across devices
+is float32 (data parallel, FSDP, ``shard_map``), as torch DDP's of an fp32
+parameter's gradient; ``gradient_dtype=float16`` (or a function of the input's
+path) keeps the 16-bit product and halves those bytes."""
+
+from __future__ import annotations
+
+import re
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxscale as jxs
+
+pytestmark = pytest.mark.core
+
+F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
+D, H, C, B = 16, 32, 8, 32  # widths, classes, batch (4 rows per device)
+
+
+def mesh():
+    return jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
+
+
+def params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (D, H)) / 4,
+        "b1": jnp.zeros(H),
+        "w2": jax.random.normal(k2, (H, C)) / 6,
+    }
+
+
+def batch(seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (B, D)), jax.random.randint(ky, (B,), 0, C)
+
+
+def mlp_loss(p, x, y):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"][None])
+    logits = h @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def gradient_collectives(text, min_size):
+    """(kind, dtype) of every all-reduce / reduce-scatter in optimized HLO whose
+    array has at least ``min_size`` elements (the gradients, not the loss)."""
+    found = set()
+    for line in text.splitlines():
+        m = re.search(r"= (.+?) (all-reduce|reduce-scatter)(?:-start)?\(", line)
+        if not m:
+            continue
+        for dtype, dims in re.findall(r"(f16|bf16|f32)\[([\d,]*)\]", m.group(1)):
+            if np.prod([int(d) for d in dims.split(",") if d]) >= min_size:
+                found.add((m.group(2), dtype))
+    return found
+
+
+def data_parallel_grad(loss, p, x, y, param_spec=P()):
+    m = mesh()
+    ps = jax.tree.map(lambda _: NamedSharding(m, param_spec), p)
+    bs = NamedSharding(m, P("data"))
+    grad = jax.jit(jax.grad(loss), in_shardings=(ps, bs, bs), out_shardings=ps)
+    p = jax.device_put(p, ps)
+    return grad(p, jax.device_put(x, bs), jax.device_put(y, bs)), grad.lower(
+        p, x, y
+    ).compile().as_text()
+
+
+@pytest.mark.parametrize(
+    ("gradient_dtype", "wire"), [(None, "f32"), (jnp.float32, "f32"), ("f16", "f16")]
+)
+def test_data_parallel_gradients_are_reduced_in_the_chosen_dtype(gradient_dtype, wire):
+    p, (x, y) = params(), batch()
+    loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gradient_dtype)
+    g, text = data_parallel_grad(loss, p, x, y)
+    assert gradient_collectives(text, D * H // 2) == {("all-reduce", wire)}
+    g_ref = jax.grad(mlp_loss)(p, x, y)
+    for k in p:
+        assert g[k].dtype == F32
+        np.testing.assert_allclose(g[k], g_ref[k], rtol=2e-2, atol=2e-3)
+
+
+def test_float32_products_are_closer_to_the_exact_gradient():
+    """Accumulated and returned in float32, a weight gradient skips one float16
+    rounding (of each device's partial sum, and of the reduced sum)."""
+    p, (x, y) = params(), batch()
+    with jax.default_matmul_precision("highest"):
+        exact = jax.grad(mlp_loss)(p, x, y)
+    errs = {}
+    for gd in (None, jnp.float16):
+        loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gd)
+        g = jax.jit(jax.grad(loss))(p, x, y)
+        errs[gd] = float(jnp.linalg.norm(g["w2"] - exact["w2"]))
+    assert errs[None] < errs[jnp.float16]
+
+
+def test_fsdp_reduces_gradient_shards_in_float32():
+    """Weights sharded over the data axis: gathered in float16 for the
+    products, their gradients reduced in float32."""
+    p, (x, y) = params(), batch()
+    loss = jxs.autocast(mlp_loss, jnp.float16)
+    g, text = data_parallel_grad(loss, p, x, y, P("data"))
+    kinds = gradient_collectives(text, D * H // 8)
+    assert kinds and {dtype for _, dtype in kinds} == {"f32"}, kinds
+    assert "all-gather" in text
+    narrow = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=jnp.float16)
+    _, text = data_parallel_grad(narrow, p, x, y, P("data"))
+    assert "f16" in {dtype for _, dtype in gradient_collectives(text, D * H // 8)}
+
+
+def test_a_function_of_the_path_picks_per_parameter():
+    p, (x, y) = params(), batch()
+
+    def choose(path):
+        return jnp.float16 if "'w2'" in path else None
+
+    loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=choose)
+    _, text = data_parallel_grad(loss, p, x, y)
+    wires = gradient_collectives(text, H * C)
+    assert {d for _, d in wires} == {"f32", "f16"}, wires
+    seen = []
+    jxs.autocast(mlp_loss, gradient_dtype=lambda path: seen.append(path))(p, x, y)
+    assert seen == ["[0]['b1']", "[0]['w1']", "[0]['w2']", "[1]", "[2]"]
+
+
+def test_shard_map_gradients_cross_in_float32():
+    """Explicit data parallelism: the cotangent of a replicated parameter is
+    summed over the axis (by ``pmean`` or by shard_map's own transpose) in
+    float32."""
+    p, (x, y) = params(), batch()
+    m = mesh()
+    for gd, wire in ((None, "f32"), (jnp.float16, "f16")):
+        loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gd)
+
+        def step(p, x, y, loss=loss):
+            return jax.lax.pmean(jax.grad(loss)(p, x, y), "data")
+
+        sharded = jax.jit(
+            jax.shard_map(
+                step, mesh=m, in_specs=(P(), P("data"), P("data")), out_specs=P()
+            )
+        )
+        bs = NamedSharding(m, P("data"))
+        x, y = jax.device_put(x, bs), jax.device_put(y, bs)
+        g = sharded(p, x, y)
+        assert all(v.dtype == F32 for v in jax.tree.leaves(g))
+        text = sharded.lower(p, x, y).compile().as_text()
+        assert {d for _, d in gradient_collectives(text, H * C)} == {wire}
+
+
+def test_layers_under_scan_get_float32_gradients():
+    k = jax.random.split(jax.random.key(3), 3)
+    stack = jax.random.normal(k[0], (3, D, D)) / 4
+    x = jax.random.normal(k[1], (B, D))
+
+    def loss(stack, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)
+        return jnp.mean(h**2)
+
+    wrapped = jxs.autocast(loss, jnp.float16)
+    g = jax.jit(jax.grad(wrapped))(stack, x)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(loss)(stack, x), rtol=3e-2, atol=3e-3)
+    m = mesh()
+    sharded = jax.jit(
+        jax.grad(wrapped),
+        in_shardings=(NamedSharding(m, P()), NamedSharding(m, P("data"))),
+        out_shardings=NamedSharding(m, P()),
+    )
+    text = sharded.lower(stack, x).compile().as_text()
+    assert {d for _, d in gradient_collectives(text, D * D)} == {"f32"}
+
+
+class _Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(C)(nn.relu(nn.Dense(H)(x)))
+
+
+class _Nnx(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(D, H, rngs=rngs), nnx.Linear(H, C, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _models():
+    x = jnp.zeros((1, D))
+    linen = _Linen()
+    variables = linen.init(jax.random.key(0), x)
+
+    def linen_loss(v, x, y):
+        logits = linen.apply(v, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    graph, state = nnx.split(_Nnx(nnx.Rngs(0)))
+
+    def nnx_loss(state, x, y):
+        logits = nnx.merge(graph, state)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mlp = eqx.nn.MLP(D, C, H, 1, key=jax.random.key(0))
+    arrays, static = eqx.partition(mlp, eqx.is_array)
+
+    def eqx_loss(arrays, x, y):
+        logits = jax.vmap(eqx.combine(arrays, static))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return {
+        "linen": (linen_loss, variables),
+        "nnx": (nnx_loss, state),
+        "equinox": (eqx_loss, arrays),
+    }
+
+
+@pytest.mark.parametrize("library", ["linen", "nnx", "equinox"])
+def test_library_models_reduce_gradients_in_float32(library):
+    loss, p = _models()[library]
+    x, y = batch()
+    g, text = data_parallel_grad(jxs.autocast(loss, jnp.float16), p, x, y)
+    assert all(v.dtype == F32 for v in jax.tree.leaves(g))
+    assert {d for _, d in gradient_collectives(text, D * H // 2)} == {"f32"}
+    g_ref = jax.grad(loss)(p, x, y)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-3)
+
+
+def test_a_dynamic_scaling_step_is_unchanged_in_semantics():
+    """The loss scale still guards the activation gradients (float16): an
+    overflow there skips the step, params and state bit-identical."""
+    p, (x, y) = params(), batch()
+    tx = jxs.dynamic_scaling(optax.adam(1e-3), init_scale=2.0**15)
+    state = tx.init(p)
+    loss = jxs.autocast(lambda p, x, y: mlp_loss(p, x, y) * 1e3, jnp.float16)
+
+    @jax.jit
+    def step(p, state):
+        _, g = jxs.value_and_grad(loss, state)(p, x, y)
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    new_p, new_state = step(p, state)
+    assert float(jxs.loss_scale_of(new_state).loss_scale) < 2.0**15  # skipped
+    for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(p), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_forward_mode_through_the_wide_products():
+    p, (x, y) = params(), batch()
+    loss = jxs.autocast(mlp_loss, jnp.float16)
+    tangent = jax.tree.map(jnp.ones_like, p)
+    _, t = jax.jvp(lambda p: loss(p, x, y), (p,), (tangent,))
+    _, t_ref = jax.jvp(lambda p: mlp_loss(p, x, y), (p,), (tangent,))
+    assert t.dtype == F32
+    np.testing.assert_allclose(t, t_ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize(("dtype", "name"), [(F16, "f16"), (BF16, "bf16")])
+def test_a_gpu_runs_the_weight_gradient_on_16_bit_operands(dtype, name):
+    """Lowered for CUDA (no GPU needed): the weight-gradient products carry the
+    16-bit dot algorithm with a float32 accumulator and result."""
+    p, (x, y) = params(), batch()
+    grad = jax.jit(jax.grad(jxs.autocast(mlp_loss, dtype)))
+    text = grad.trace(p, x, y).lower(lowering_platforms=("cuda",)).as_text()
+    dots = re.findall(r"stablehlo.dot_general.*", text)
+    wide = [d for d in dots if f"lhs_precision_type = {name}" in d]
+    assert len(wide) == 2, dots  # dW1 and dW2
+    for d in wide:
+        assert "accumulation_type = f32" in d and d.endswith("f32>"), d
+    cpu = grad.trace(p, x, y).lower(lowering_platforms=("cpu",)).as_text()
+    assert "precision_type" not in cpu  # XLA:CPU has no dot algorithms
+
+
+@pytest.mark.parametrize(
+    "bad", ["int8", jnp.float64, "float8_e4m3fn", jnp.bfloat16, object()]
+)
+def test_bad_gradient_dtype_raises(bad):
+    with pytest.raises(ValueError, match="`gradient_dtype` must be float32"):
+        jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=bad)
+
+
+def test_a_path_function_returning_a_bad_dtype_raises_naming_the_input():
+    p, (x, y) = params(), batch()
+    loss = jxs.autocast(mlp_loss, gradient_dtype=lambda path: jnp.int32)
+    with pytest.raises(ValueError, match=r"for the input at \[0\]\['b1'\]"):
+        loss(p, x, y)
