@@ -384,3 +384,17 @@ def test_the_guide_section_runs():
     rows = table[: table.index("```")].strip().split("\n")[3:]
     printed = str(namespace["report"]).split("\n")[3:]
     assert sorted(rows) == sorted(printed)
+
+
+@pytest.mark.core
+def test_float8_amaxes_inside_shard_map_are_classified():
+    from test_float8_devices import batch, params, put, shard_map_step
+
+    step, mesh = shard_map_step(True, "inside")
+    p, x = put(params(), mesh, P()), put(batch(), mesh, P("data"))
+    report = jxs.diagnostics.collective_report(step)(p, x)
+    amaxes = report.select(carries="amax")
+    assert amaxes, report
+    # One scalar per tensor (its amax as an int32 key), all-reduced over the mesh.
+    assert {(c.kind, c.shape, c.dtype) for c in amaxes} == {("all-reduce", (), "int32")}
+    assert all("jaxscale_amax" in c.source for c in amaxes)
