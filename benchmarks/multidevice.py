@@ -32,7 +32,6 @@ jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts
 
 import argparse  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -172,26 +171,18 @@ def make_batch(mesh, batch_size: int, width: int, classes: int, seed: int = 1):
 # Collectives in the compiled step.
 # --------------------------------------------------------------------------- #
 
-_COLLECTIVE = re.compile(
-    r"=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\("
-)
-_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
-
 
 def collectives(step, params, opt_state, batch) -> Counter:
-    """``Counter`` of ``(kind, elements)`` over the collectives of the step."""
-    hlo = step.lower(params, opt_state, batch).compile().as_text()
-    found = Counter()
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            sizes = [
-                math.prod(int(d) for d in dims.split(",") if d)
-                for dims in _SHAPE.findall(m.group(1))
-            ]
-            found[(m.group(2), sum(sizes))] += 1
-    return found
+    """``Counter`` of ``(kind, elements)`` over the collectives of the step, read
+    by ``jxs.diagnostics.CollectiveReport``: a combined all-reduce counts once,
+    with the elements of all its arrays."""
+    compiled = step.lower(params, opt_state, batch).compile()
+    report = jxs.diagnostics.CollectiveReport.from_hlo(compiled)
+    per_instruction: dict[tuple[str, str, str], int] = {}
+    for c in report.collectives:
+        key = (c.computation, c.name.split("[")[0], c.kind)
+        per_instruction[key] = per_instruction.get(key, 0) + math.prod(c.shape)
+    return Counter((kind, n) for (_, _, kind), n in per_instruction.items())
 
 
 def describe(found: Counter) -> str:

@@ -21,12 +21,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale._jax_private import mark_varying, varying_axes
 
 __all__ = [
+    "FINITE_SCOPE",
     "AxisName",
     "any_replica",
     "check_axis_name",
     "match_varying",
     "place_replicated",
 ]
+
+#: The name scope of the finite check (its flags' collectives carry it in the
+#: compiled program's metadata: ``jxs.diagnostics.collective_report`` reads it).
+FINITE_SCOPE = "jaxscale_finite_check"
 
 #: What ``axis_name`` accepts: one mapped axis, or several (reduced over all).
 AxisName = str | tuple[str, ...]

@@ -73,11 +73,14 @@ def _check(
     per-leaf flags (:func:`leaf_flags`) as one ``bool[n]`` array, both agreed
     over ``axis_name`` (one collective, a ``pmax`` of the array, serves both).
     """
-    bad = leaf_flags(grads, hi, lo)
-    if bad is None:  # no flags array (see ``_state.no_flags``)
-        return jnp.ones((), jnp.bool_), None
-    if axis_name is not None:  # one decision and one set of flags per axis
-        bad = _distributed.any_replica(bad, axis_name)
+    # The scope names the check's collectives in the compiled program's
+    # metadata (``jxs.diagnostics.collective_report`` reads it).
+    with jax.named_scope(_distributed.FINITE_SCOPE):
+        bad = leaf_flags(grads, hi, lo)
+        if bad is None:  # no flags array (see ``_state.no_flags``)
+            return jnp.ones((), jnp.bool_), None
+        if axis_name is not None:  # one decision and one set of flags per axis
+            bad = _distributed.any_replica(bad, axis_name)
     # ``any(bad)`` as the last element of the sorted flags: XLA simplifies a
     # reduction of the flags into an ``n``-operand ``or`` and fuses a copy of
     # it into every leaf's select (``n**2`` operands); a ``sort`` is not fused

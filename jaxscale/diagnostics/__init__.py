@@ -24,6 +24,11 @@ Examples:
 from jaxscale.diagnostics._autocast_report import AutocastReport as AutocastReport
 from jaxscale.diagnostics._autocast_report import AutocastSite as AutocastSite
 from jaxscale.diagnostics._autocast_report import autocast_report as autocast_report
+from jaxscale.diagnostics._collectives import Collective as Collective
+from jaxscale.diagnostics._collectives import CollectiveReport as CollectiveReport
+from jaxscale.diagnostics._collectives import (
+    collective_report as collective_report,
+)
 from jaxscale.diagnostics._cotangents import CotangentStats as CotangentStats
 from jaxscale.diagnostics._cotangents import cotangent_probe as cotangent_probe
 from jaxscale.diagnostics._cotangents import cotangent_report as cotangent_report
@@ -42,6 +47,8 @@ from jaxscale.diagnostics._summary import underflow_report as underflow_report
 __all__ = [
     "AutocastReport",
     "AutocastSite",
+    "Collective",
+    "CollectiveReport",
     "CotangentStats",
     "MonitorState",
     "NoOverflowWarning",
@@ -49,6 +56,7 @@ __all__ = [
     "ScaleAtFloorWarning",
     "UnderflowReport",
     "autocast_report",
+    "collective_report",
     "cotangent_probe",
     "cotangent_report",
     "cotangent_table",

@@ -1,5 +1,8 @@
 """How a :class:`~jaxscale.diagnostics.AutocastReport` prints: tables.
 
+(:class:`~jaxscale.diagnostics.CollectiveReport` prints with the same
+:func:`columns`, :func:`typed` and :func:`human_bytes`.)
+
 The functions here read the report's and its sites' attributes; they import no
 other module of the package (:mod:`jaxscale.diagnostics._autocast_report` and
 :mod:`jaxscale.diagnostics._census` import them).
@@ -13,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["render", "typed"]
+__all__ = ["columns", "human_bytes", "render", "typed"]
 
 _ROWS = 10  # rows per list in the printed report
 _SHORT = MappingProxyType(
@@ -27,7 +30,7 @@ def typed(dtype: Any, shape: Sequence[int]) -> str:
     return f"{_SHORT.get(name, name)}[{','.join(map(str, shape))}]"
 
 
-def _columns(rows: list[list[str]], right: Sequence[int] = ()) -> list[str]:
+def columns(rows: list[list[str]], right: Sequence[int] = ()) -> list[str]:
     """Rows as aligned lines: text left-aligned, the ``right`` columns (numbers)
     right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -53,10 +56,11 @@ def _grid(
     rows = [[title, *dts]]
     for name, row in groups.items():
         rows.append([name, *(str(row[d]) if d in row else "-" for d in dts)])
-    return _columns(rows, right=range(1, len(dts) + 1))
+    return columns(rows, right=range(1, len(dts) + 1))
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``512 B``, ``1.5 KiB``, ``2.0 MiB``..."""
     if n < 1024:
         return f"{int(n)} B"
     for unit in ("KiB", "MiB", "GiB"):
@@ -118,7 +122,7 @@ def _section(
     if not rows:
         lines.append("  none")
         return
-    lines += _columns([head, *rows[:_ROWS]], right)
+    lines += columns([head, *rows[:_ROWS]], right)
     if len(rows) > _ROWS:
         lines.append(f"  ... {len(rows) - _ROWS} more rows: see report.{what}")
 
@@ -145,9 +149,10 @@ def render(r: Any) -> str:
     total = sum(r.bytes_by_dtype.values()) or 1
     lines += ["", "activation bytes (floating outputs of all operations):"]
     rows = [
-        [d, _bytes(n), f"{100 * n / total:.0f}%"] for d, n in r.bytes_by_dtype.items()
+        [d, human_bytes(n), f"{100 * n / total:.0f}%"]
+        for d, n in r.bytes_by_dtype.items()
     ]
-    lines += _columns(rows or [["none", "0 B", ""]], right=(1, 2))
+    lines += columns(rows or [["none", "0 B", ""]], right=(1, 2))
     _section(
         lines,
         f"float32 islands (outputs of >= {r.min_size} elements):",

@@ -23,7 +23,11 @@ from jax import lax
 
 from jaxscale._jax_private import manual_axes, varying_axes
 
-__all__ = ["max_over_devices", "reduction_axes"]
+__all__ = ["AMAX_SCOPE", "max_over_devices", "reduction_axes"]
+
+#: The name scope of an amax's reduction over devices (its collective carries it
+#: in the compiled program's metadata: ``jxs.diagnostics.collective_report``).
+AMAX_SCOPE = "jaxscale_amax"
 
 
 def reduction_axes(x: jax.Array) -> tuple[str, ...]:
@@ -39,4 +43,7 @@ def reduction_axes(x: jax.Array) -> tuple[str, ...]:
 def max_over_devices(value: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``value``'s maximum over the mesh ``axes`` (one all-reduce of a scalar;
     ``value`` itself for ``()``)."""
-    return lax.pmax(value, axes) if axes else value
+    if not axes:
+        return value
+    with jax.named_scope(AMAX_SCOPE):
+        return lax.pmax(value, axes)
