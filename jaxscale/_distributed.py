@@ -5,7 +5,8 @@ device (the check is a reduction over whole, global arrays). Inside ``shard_map`
 ``pmap`` or a ``vmap`` with an ``axis_name``, code sees only its own block, so
 :func:`jaxscale.dynamic_scaling` built with ``axis_name=...`` reduces the finite
 flag and the per-leaf flags over that axis with the helpers here. (Averaging the
-gradients over the axis, for data parallelism, is the caller's ``lax.pmean``.)
+gradients over the axis, for data parallelism, is the caller's ``lax.pmean`` or
+:func:`jaxscale.reduce_mean`, whose all-gather :func:`gather_invariant` types.)
 """
 
 from __future__ import annotations
