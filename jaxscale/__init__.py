@@ -31,6 +31,10 @@ from jaxscale._loss_scale import NoOpLossScale as NoOpLossScale
 from jaxscale._loss_scale import StaticLossScale as StaticLossScale
 from jaxscale._policy import Policy as Policy
 from jaxscale._policy import cast_floating as cast_floating
+from jaxscale._reduce import ReduceGradientsState as ReduceGradientsState
+from jaxscale._reduce import reduce_gradients as reduce_gradients
+from jaxscale._reduce import reduce_mean as reduce_mean
+from jaxscale._reduce import reduce_state_specs as reduce_state_specs
 from jaxscale._state import DynamicScalingState as DynamicScalingState
 from jaxscale._torch_interop import from_torch_state_dict as from_torch_state_dict
 from jaxscale._torch_interop import to_torch_state_dict as to_torch_state_dict
@@ -55,6 +59,7 @@ __all__ = [
     "LossScale",
     "NoOpLossScale",
     "Policy",
+    "ReduceGradientsState",
     "StaticLossScale",
     "accumulate",
     "accumulate_value_and_grad",
@@ -67,6 +72,9 @@ __all__ = [
     "from_torch_state_dict",
     "global_norm",
     "loss_scale_of",
+    "reduce_gradients",
+    "reduce_mean",
+    "reduce_state_specs",
     "select_tree",
     "to_torch_state_dict",
     "upgrade_checkpoint",

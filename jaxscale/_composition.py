@@ -151,8 +151,10 @@ _SAFE = {
     "jaxscale.MonitorState",
     "optax.SplitRealAndImaginaryState",
 }
-# Put in front on purpose: test-time fault injection (jaxscale.testing).
-_ALLOWED_BEFORE = {"jaxscale.NonfiniteAtState"}
+# Put in front on purpose: test-time fault injection (jaxscale.testing), and the
+# data-parallel mean of the scaled gradients (an overflow reaches every device as
+# an inf, so one skip decision follows).
+_ALLOWED_BEFORE = {"jaxscale.NonfiniteAtState", "jaxscale.ReduceGradientsState"}
 _CHAINS = {
     tuple: "an `optax.chain`",
     OrderedDict: "an `optax.named_chain`",

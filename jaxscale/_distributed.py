@@ -5,7 +5,8 @@ device (the check is a reduction over whole, global arrays). Inside ``shard_map`
 ``pmap`` or a ``vmap`` with an ``axis_name``, code sees only its own block, so
 :func:`jaxscale.dynamic_scaling` built with ``axis_name=...`` reduces the finite
 flag and the per-leaf flags over that axis with the helpers here. (Averaging the
-gradients over the axis, for data parallelism, is the caller's ``lax.pmean``.)
+gradients over the axis, for data parallelism, is the caller's ``lax.pmean`` or
+:func:`jaxscale.reduce_mean`, whose all-gather :func:`gather_invariant` types.)
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale._jax_private import mark_varying, varying_axes
+from jaxscale._jax_private import manual_axes, mark_varying, varying_axes
 
 __all__ = [
     "FINITE_SCOPE",
     "AxisName",
     "any_replica",
     "check_axis_name",
+    "explain_unbound",
+    "gather_invariant",
     "match_varying",
     "place_replicated",
 ]
@@ -53,10 +56,16 @@ def check_axis_name(axis_name: Any) -> None:
         )
 
 
-def _explain_unbound(axis_name: AxisName, err: NameError) -> NameError:
+def explain_unbound(
+    axis_name: AxisName,
+    err: NameError,
+    what: str = "`update` of a `jxs.dynamic_scaling(..., axis_name=...)`",
+) -> NameError:
+    """The ``NameError`` to raise for an ``axis_name`` no mapped axis binds:
+    where to call ``what`` instead, and JAX's own words."""
     return NameError(
-        f"`axis_name` {axis_name!r} is not bound here: call `update` of a "
-        "`jxs.dynamic_scaling(..., axis_name=...)` inside `jax.shard_map`, "
+        f"`axis_name` {axis_name!r} is not bound here: call {what} inside "
+        "`jax.shard_map`, "
         "`jax.pmap` or `jax.vmap` over that axis (under plain `jit` with sharded "
         f"arrays, leave `axis_name=None`). JAX said: {err}"
     )
@@ -70,7 +79,21 @@ def any_replica(flags: Any, axis_name: AxisName) -> Any:
             flags,
         )
     except NameError as err:
-        raise _explain_unbound(axis_name, err) from None
+        raise explain_unbound(axis_name, err) from None
+
+
+def gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
+    """``lax.all_gather(x, axis_name, tiled=True)``, typed invariant over the
+    axis (every device holds the same value) where ``shard_map`` checks varying
+    types: ``to="invarying"`` from jax 0.10, ``lax.all_gather_invariant``
+    before; the plain all-gather elsewhere (``pmap``, ``vmap``,
+    ``check_vma=False``)."""
+    axes, checked = manual_axes()
+    if not checked or axis_name not in axes:
+        return lax.all_gather(x, axis_name, tiled=True)
+    if hasattr(lax, "all_gather_invariant"):  # jax < 0.10
+        return lax.all_gather_invariant(x, axis_name, tiled=True)
+    return lax.all_gather(x, axis_name, tiled=True, to="invarying")
 
 
 def match_varying(x: jax.Array, like: Any) -> jax.Array:

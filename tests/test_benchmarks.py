@@ -169,3 +169,19 @@ def test_compiled_memory_benchmark(tmp_path):
     assert [r[0] for r in rows] == ["sync BatchNorm block", "Dense stack"], out
     sync = rows[0]
     assert sync[6] == "autocast / no axis_name" and float(sync[7]) <= 1.02, out
+
+
+def test_wire_benchmark_small(tmp_path):
+    """Two device counts, a small gradient: the all-to-all's error does not grow,
+    a float16 wire halves the bytes of a float32 pmean."""
+    proc = run_script(
+        BENCHMARKS / "wire.py",
+        *("--devices", "8,16", "--size", "4096", "--small-only"),
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    a2a = re.search(r"^\| all-to-all f16 \+ f32 sum \| .*\(([\d.]+)x\) \|$", out, re.M)
+    assert a2a and float(a2a.group(1)) < 1.15, out
+    f16 = re.search(r"reduce_mean float16 \| [\d.]+ MB \(([\d.]+)\)", out)
+    assert f16 and 0.49 < float(f16.group(1)) < 0.52, out
