@@ -7,8 +7,8 @@ path) keeps the 16-bit product and halves those bytes."""
 from __future__ import annotations
 
 import re
+import warnings
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,10 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 
+with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
+    warnings.simplefilter("ignore", DeprecationWarning)
+    eqx = pytest.importorskip("equinox")
+
 pytestmark = pytest.mark.core
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
-D, H, C, B = 16, 32, 8, 32  # widths, classes, batch (4 rows per device)
+D, H, C, B = 32, 64, 8, 128  # widths, classes, batch (16 rows per device)
 
 
 def mesh():
@@ -45,35 +49,45 @@ def batch(seed=1):
     return jax.random.normal(kx, (B, D)), jax.random.randint(ky, (B,), 0, C)
 
 
+def xent(logits, y):
+    # One-hot labels: on jax 0.12 the integer-label loss's gather cannot be
+    # differentiated on a batch-sharded array (a sharding-in-types error).
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, C)).mean()
+
+
 def mlp_loss(p, x, y):
     h = jax.nn.relu(x @ p["w1"] + p["b1"][None])
-    logits = h @ p["w2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return xent(h @ p["w2"], y)
 
 
 def gradient_collectives(text, min_size):
-    """(kind, dtype) of every all-reduce / reduce-scatter in optimized HLO whose
-    array has at least ``min_size`` elements (the gradients, not the loss)."""
-    found = set()
-    for line in text.splitlines():
-        m = re.search(r"= (.+?) (all-reduce|reduce-scatter)(?:-start)?\(", line)
-        if not m:
-            continue
-        for dtype, dims in re.findall(r"(f16|bf16|f32)\[([\d,]*)\]", m.group(1)):
-            if np.prod([int(d) for d in dims.split(",") if d]) >= min_size:
-                found.add((m.group(2), dtype))
-    return found
+    """(kind, dtype) of every all-reduce / reduce-scatter of the compiled step
+    whose array has at least ``min_size`` elements (the gradients, not the
+    loss), read by ``jxs.diagnostics.collective_report``."""
+    report = jxs.diagnostics.CollectiveReport.from_hlo(text)
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+    return {
+        (c.kind, short.get(c.dtype, c.dtype))
+        for c in report.collectives
+        if c.kind in ("all-reduce", "reduce-scatter")
+        and len(c.shape) >= 2  # a matrix's (a bias's: see docs/multidevice.md)
+        and np.prod(c.shape, dtype=int) >= min_size
+    }
 
 
 def data_parallel_grad(loss, p, x, y, param_spec=P()):
+    """``jax.grad(loss)`` jitted on arrays placed on 8 devices (the batch split
+    over ``data``, the parameters by ``param_spec``), its compiled text."""
     m = mesh()
-    ps = jax.tree.map(lambda _: NamedSharding(m, param_spec), p)
-    bs = NamedSharding(m, P("data"))
-    grad = jax.jit(jax.grad(loss), in_shardings=(ps, bs, bs), out_shardings=ps)
-    p = jax.device_put(p, ps)
-    return grad(p, jax.device_put(x, bs), jax.device_put(y, bs)), grad.lower(
-        p, x, y
-    ).compile().as_text()
+    if isinstance(param_spec, dict):
+        p = {
+            k: jax.device_put(v, NamedSharding(m, param_spec[k])) for k, v in p.items()
+        }
+    else:
+        p = jax.device_put(p, NamedSharding(m, param_spec))
+    x, y = jax.device_put((x, y), NamedSharding(m, P("data")))
+    grad = jax.jit(jax.grad(loss))
+    return grad(p, x, y), grad.lower(p, x, y).compile().as_text()
 
 
 @pytest.mark.parametrize(
@@ -105,17 +119,19 @@ def test_float32_products_are_closer_to_the_exact_gradient():
 
 
 def test_fsdp_reduces_gradient_shards_in_float32():
-    """Weights sharded over the data axis: gathered in float16 for the
+    """Weight matrices sharded over the data axis: gathered in float16 for the
     products, their gradients reduced in float32."""
     p, (x, y) = params(), batch()
-    loss = jxs.autocast(mlp_loss, jnp.float16)
-    g, text = data_parallel_grad(loss, p, x, y, P("data"))
-    kinds = gradient_collectives(text, D * H // 8)
-    assert kinds and {dtype for _, dtype in kinds} == {"f32"}, kinds
-    assert "all-gather" in text
-    narrow = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=jnp.float16)
-    _, text = data_parallel_grad(narrow, p, x, y, P("data"))
-    assert "f16" in {dtype for _, dtype in gradient_collectives(text, D * H // 8)}
+    specs = {"w1": P("data"), "b1": P(), "w2": P("data")}
+    for gd, wire in ((None, "f32"), (jnp.float16, "f16")):
+        loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gd)
+        g, text = data_parallel_grad(loss, p, x, y, specs)
+        assert {d for _, d in gradient_collectives(text, H * C // 8)} == {wire}
+        report = jxs.diagnostics.CollectiveReport.from_hlo(text)
+        assert "float16" in report.dtypes(kind="all-gather")
+    g_ref = jax.grad(mlp_loss)(p, x, y)
+    for k in p:
+        np.testing.assert_allclose(g[k], g_ref[k], rtol=2e-2, atol=2e-3)
 
 
 def test_a_function_of_the_path_picks_per_parameter():
@@ -135,11 +151,11 @@ def test_a_function_of_the_path_picks_per_parameter():
 
 def test_shard_map_gradients_cross_in_float32():
     """Explicit data parallelism: the cotangent of a replicated parameter is
-    summed over the axis (by ``pmean`` or by shard_map's own transpose) in
-    float32."""
+    summed over the axis by shard_map's own transpose, of the float32 parameter
+    marked varying before autocast casts it: float32 with either setting."""
     p, (x, y) = params(), batch()
     m = mesh()
-    for gd, wire in ((None, "f32"), (jnp.float16, "f16")):
+    for gd, wire in ((None, "f32"), (jnp.float16, "f32")):
         loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gd)
 
         def step(p, x, y, loss=loss):
@@ -202,20 +218,20 @@ def _models():
 
     def linen_loss(v, x, y):
         logits = linen.apply(v, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent(logits, y)
 
     graph, state = nnx.split(_Nnx(nnx.Rngs(0)))
 
     def nnx_loss(state, x, y):
         logits = nnx.merge(graph, state)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent(logits, y)
 
     mlp = eqx.nn.MLP(D, C, H, 1, key=jax.random.key(0))
     arrays, static = eqx.partition(mlp, eqx.is_array)
 
     def eqx_loss(arrays, x, y):
         logits = jax.vmap(eqx.combine(arrays, static))(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent(logits, y)
 
     return {
         "linen": (linen_loss, variables),
@@ -240,7 +256,8 @@ def test_a_dynamic_scaling_step_is_unchanged_in_semantics():
     """The loss scale still guards the activation gradients (float16): an
     overflow there skips the step, params and state bit-identical."""
     p, (x, y) = params(), batch()
-    tx = jxs.dynamic_scaling(optax.adam(1e-3), init_scale=2.0**15)
+    scale = jxs.DynamicLossScale.create(init_scale=2.0**15)
+    tx = jxs.dynamic_scaling(optax.sgd(1e-3, momentum=0.9), scale)
     state = tx.init(p)
     loss = jxs.autocast(lambda p, x, y: mlp_loss(p, x, y) * 1e3, jnp.float16)
 

@@ -95,9 +95,12 @@ def _wide_term(
     if algorithm is None:
         return bind(primitive, wide, args)[0]
     on_gpu = with_dot_algorithm(params, algorithm, _F32)
+    # Both operands float32 (exact widenings) for the algorithm, which rounds
+    # them back to ``low``: JAX lowers a bf16 algorithm on mixed operands
+    # through a dtype promotion that strict promotion refuses.
     return lax.platform_dependent(
         *args,
-        cuda=lambda *a: bind(primitive, on_gpu, a)[0],
+        cuda=lambda *a: bind(primitive, on_gpu, [cast(x, _F32) for x in a])[0],
         default=lambda *a: bind(primitive, wide, a)[0],
     )
 
