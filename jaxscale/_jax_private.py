@@ -584,15 +584,6 @@ def with_preferred_element_type(params: Mapping[str, Any], dtype: Any) -> dict:
     return dict(params, preferred_element_type=dtype)
 
 
-def with_dot_algorithm(params: Mapping[str, Any], algorithm: Any, dtype: Any) -> dict:
-    """A dot's parameters with result dtype ``dtype`` and, unless ``None``, the
-    dot algorithm ``algorithm`` (a ``lax.DotAlgorithmPreset``) as its precision."""
-    new = dict(params, preferred_element_type=dtype)
-    if algorithm is not None:
-        new["precision"] = algorithm
-    return new
-
-
 def integer_pow_exponent(params: Mapping[str, Any]) -> int:
     return params["y"]
 

@@ -46,7 +46,8 @@ def test_transformer_block_matmuls_in_float16_sums_in_float32():
     ref = jax.jit(model.apply)(params, x)
     np.testing.assert_allclose(out, ref, rtol=5e-2, atol=5e-2)
     assert jax.eval_shape(jxs.autocast(model.apply), params, x).dtype == F32
-    for fn in (jxs.autocast(loss), jax.grad(jxs.autocast(loss))):
+    narrow = jxs.autocast(loss, gradient_dtype=jnp.float16)  # 16-bit dW products
+    for fn in (jxs.autocast(loss), jax.grad(narrow)):
         eqns = list(all_eqns(jax.make_jaxpr(fn)(params, x)))
         dots = [e for e in eqns if e.primitive.name == "dot_general"]
         assert len(dots) >= 6

@@ -185,3 +185,20 @@ def test_wire_benchmark_small(tmp_path):
     assert a2a and float(a2a.group(1)) < 1.15, out
     f16 = re.search(r"reduce_mean float16 \| [\d.]+ MB \(([\d.]+)\)", out)
     assert f16 and 0.49 < float(f16.group(1)) < 0.52, out
+
+
+def test_gradient_wire_benchmark_small(tmp_path):
+    """On 8 CPU devices: float16 autocast's weight gradients reduced in float32
+    by default (the float32 program's bytes), in float16 at half of them."""
+    proc = run_script(
+        BENCHMARKS / "gradient_wire.py", "--dim", "64", "--batch", "64", cwd=tmp_path
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = {
+        tuple(line.split()[:3]): float(line.split()[4])
+        for line in out.splitlines()
+        if line.startswith(("DP ", "FSDP "))
+    }
+    assert rows[("DP", "float16", "float32")] == pytest.approx(1.0, abs=0.02), out
+    assert rows[("DP", "float16", "float16")] == pytest.approx(0.5, abs=0.02), out

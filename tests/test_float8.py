@@ -485,7 +485,10 @@ def test_small_and_batched_dots_stay_16_bit(fun, shapes, warns):
         return jnp.sum(y * y)
 
     f = jax.value_and_grad(
-        jxs.autocast(loss, jnp.bfloat16, float8=CURRENT), argnums=(0, 1)
+        # (bf16 gradient products: the default float32 weight-gradient terms
+        # are tests/test_autocast_gradients.py's)
+        jxs.autocast(loss, jnp.bfloat16, float8=CURRENT, gradient_dtype=jnp.bfloat16),
+        argnums=(0, 1),
     )
     with (
         pytest.warns(jxs.AutocastWarning, match=NOTHING_IN_FLOAT8)

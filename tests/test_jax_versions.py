@@ -85,7 +85,7 @@ def test_a_remat_scanned_flax_transformer_has_every_dot_in_float16():
         return jnp.mean(model.apply(params, x, mask) ** 2)
 
     assert _low(jxs.autocast(loss), params, x) == {"float16"}
-    grad = jax.grad(jxs.autocast(loss))
+    grad = jax.grad(jxs.autocast(loss, gradient_dtype=jnp.float16))  # 16-bit dW
     assert _low(grad, params, x) == {"float16"}
     with jax.default_matmul_precision("highest"):
         ref = jax.grad(loss)(params, x)
@@ -167,7 +167,8 @@ def test_shard_map_bodies_autocast():
 
     x = jax.device_put(X, jax.sharding.NamedSharding(mesh, P("d")))
     assert _low(jxs.autocast(fn), x, W) == {"float16"}
-    assert _low(jax.grad(jxs.autocast(fn), argnums=1), x, W) == {"float16"}
+    narrow = jxs.autocast(fn, gradient_dtype=jnp.float16)  # 16-bit weight gradients
+    assert _low(jax.grad(narrow, argnums=1), x, W) == {"float16"}
     np.testing.assert_allclose(jxs.autocast(fn)(x, W), fn(x, W), rtol=1e-2)
 
 

@@ -172,13 +172,23 @@ def autocast(
         ``min_dim`` runs with float8 operands and per-tensor scales, its output
         in ``dtype``; everything else follows the rules above. ``float8=r`` is
         shorthand for ``rules={"dot_general": r}``.
+      gradient_dtype: the dtype in which the gradient of a float32 input of
+        ``fun`` (a parameter) leaves a matmul, and so crosses devices when
+        XLA's partitioner reduces it: ``None`` or float32 (default: accumulated
+        and returned in float32, from 16-bit operands on a GPU, as torch DDP
+        reduces an fp32 parameter's gradient), ``dtype`` (rounded to 16 bits
+        per product and summed across devices in 16 bits: half the bytes), or
+        a function of the input's path (``"[0]['params']['w']"``; keyword
+        arguments ``"['name']..."``) returning one of these, called at trace
+        time. Forward and activation gradients are the same either way.
 
     Returns:
       A function with ``fun``'s signature and output structure.
 
     Raises:
       ValueError: if ``dtype`` is not float16, bfloat16 or float32 (float8 is
-        not supported yet), or a rule is unknown (see :func:`autocast_rules`).
+        not supported yet), a rule is unknown (see :func:`autocast_rules`), or
+        ``gradient_dtype`` is neither float32 nor ``dtype``.
       TypeError: if ``fun`` is not callable, ``enabled`` or ``cast_outputs`` is
         not a bool, or ``rules`` is not a mapping.
 
@@ -201,6 +211,9 @@ def autocast(
       dtype('float16')
       >>> grads = jax.grad(lambda p: jxs.autocast(mlp)(p, x).sum())(params)
       >>> grads["w1"].dtype  # gradients in the parameters' dtype
+      dtype('float32')
+      >>> narrow = jxs.autocast(mlp, gradient_dtype=jnp.float16)  # 16-bit dW
+      >>> jax.grad(lambda p: narrow(p, x).sum())(params)["w2"].dtype
       dtype('float32')
 
       Other dtypes and overrides:

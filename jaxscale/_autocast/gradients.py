@@ -23,6 +23,7 @@ lowering time, so a step compiled for a GPU from a CPU host gets the GPU form.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -31,16 +32,22 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jaxscale._autocast.values import cast, dtype_of
-from jaxscale._jax_private import bind, preferred_element_type, with_dot_algorithm
+from jaxscale._jax_private import (
+    bind,
+    preferred_element_type,
+    with_preferred_element_type,
+)
 from jaxscale._policy import parse_float_dtype
 
 __all__ = ["gradient_policy", "wide_gradient_product"]
 
 _F32 = np.dtype("float32")
-_ALGORITHMS = {
-    np.dtype("float16"): lax.DotAlgorithmPreset.F16_F16_F32,
-    np.dtype(jax.numpy.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
-}
+_ALGORITHMS = MappingProxyType(
+    {
+        np.dtype("float16"): lax.DotAlgorithmPreset.F16_F16_F32,
+        np.dtype(jax.numpy.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+    }
+)
 
 
 def wide_gradient_product(
@@ -90,11 +97,11 @@ def _wide_term(
     """The product with a float32 tangent among ``args`` (the others in
     ``low``), accumulated and returned in float32: on CUDA with the 16-bit dot
     algorithm (the tangent narrowed exactly, since its cotangent is 16-bit)."""
-    wide = with_dot_algorithm(params, None, _F32)
+    wide = with_preferred_element_type(params, _F32)
     algorithm = _ALGORITHMS.get(np.dtype(low))
     if algorithm is None:
         return bind(primitive, wide, args)[0]
-    on_gpu = with_dot_algorithm(params, algorithm, _F32)
+    on_gpu = dict(wide, precision=algorithm)  # a dot algorithm is a precision
     # Both operands float32 (exact widenings) for the algorithm, which rounds
     # them back to ``low``: JAX lowers a bf16 algorithm on mixed operands
     # through a dtype promotion that strict promotion refuses.
