@@ -70,7 +70,6 @@ def gradient_collectives(text, min_size):
         (c.kind, short.get(c.dtype, c.dtype))
         for c in report.collectives
         if c.kind in ("all-reduce", "reduce-scatter")
-        and len(c.shape) >= 2  # a matrix's (a bias's: see docs/multidevice.md)
         and np.prod(c.shape, dtype=int) >= min_size
     }
 
@@ -99,6 +98,8 @@ def test_data_parallel_gradients_are_reduced_in_the_chosen_dtype(gradient_dtype,
     loss = jxs.autocast(mlp_loss, jnp.float16, gradient_dtype=gradient_dtype)
     g, text = data_parallel_grad(loss, p, x, y)
     assert gradient_collectives(text, D * H // 2) == {("all-reduce", wire)}
+    # The bias's gradient too (summed over the batch, then across devices).
+    assert gradient_collectives(text, H) == {("all-reduce", wire)}
     g_ref = jax.grad(mlp_loss)(p, x, y)
     for k in p:
         assert g[k].dtype == F32
@@ -201,7 +202,7 @@ def test_layers_under_scan_get_float32_gradients():
 class _Linen(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(C)(nn.relu(nn.Dense(H)(x)))
+        return nn.Dense(C)(nn.LayerNorm()(nn.relu(nn.Dense(H)(x))))
 
 
 class _Nnx(nnx.Module):
@@ -247,7 +248,8 @@ def test_library_models_reduce_gradients_in_float32(library):
     x, y = batch()
     g, text = data_parallel_grad(jxs.autocast(loss, jnp.float16), p, x, y)
     assert all(v.dtype == F32 for v in jax.tree.leaves(g))
-    assert {d for _, d in gradient_collectives(text, D * H // 2)} == {"f32"}
+    # Every parameter's: matrices, biases, a LayerNorm's scale and offset.
+    assert {d for _, d in gradient_collectives(text, C)} == {"f32"}
     g_ref = jax.grad(loss)(p, x, y)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-3)

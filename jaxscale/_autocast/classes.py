@@ -22,7 +22,11 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jcore
 
-from jaxscale._autocast.gradients import wide_gradient_product
+from jaxscale._autocast.gradients import (
+    WIDE_ELEMENTWISE,
+    wide_elementwise,
+    wide_gradient_product,
+)
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
     SELECTIONS,
@@ -257,14 +261,30 @@ class Bias(RuleClass):
     def cast_operands(self, it, eqn, vals, infos, traced):
         kind = bias_kind(it.dtype, eqn.primitive.name, vals, infos)
         if kind == "bias":
-            return [it.cast(v, it.dtype) for v in vals], None
-        if kind == "norm":
+            cast = [it.cast(v, it.dtype) for v in vals]
+        elif kind == "norm":
             it.note(
                 f"float32 statistic or parameter applied to a {it.dtype.name} "
                 f"activation: cast to {it.dtype.name}, saturating"
             )
-            return [self.saturating_cast(it, v, it.dtype) for v in vals], None
-        return promote(it, eqn, vals, infos, traced), None
+            cast = [self.saturating_cast(it, v, it.dtype) for v in vals]
+        else:
+            return promote(it, eqn, vals, infos, traced), None
+        shape = np.shape(eqn.outvars[0].aval)
+        if eqn.primitive.name in WIDE_ELEMENTWISE and len(vals) == 2:
+            for v, i, c in zip(vals, infos, cast, strict=True):
+                if i.wide and dtype_of(v) == _F32 and np.shape(v) != shape:
+                    it.mark_wide_gradient(c, v)  # a broadcast parameter: emit
+        return cast, None
+
+    def emit(self, it, eqn, params, vals):
+        sources = [it.wide_gradient_source(v) for v in vals]
+        marked = [k for k, s in enumerate(sources) if s is not None]
+        shape = np.shape(eqn.outvars[0].aval)
+        if len(marked) == 1 and np.shape(vals[1 - marked[0]]) == shape:
+            k = marked[0]
+            return [wide_elementwise(eqn.primitive, params, vals, sources[k], k)]
+        return bind(eqn.primitive, params, vals)
 
     @staticmethod
     def saturating_cast(it: Interpreter, x: Any, dtype: np.dtype) -> Any:

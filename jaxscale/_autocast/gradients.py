@@ -39,7 +39,12 @@ from jaxscale._jax_private import (
 )
 from jaxscale._policy import parse_float_dtype
 
-__all__ = ["gradient_policy", "wide_gradient_product"]
+__all__ = [
+    "WIDE_ELEMENTWISE",
+    "gradient_policy",
+    "wide_elementwise",
+    "wide_gradient_product",
+]
 
 _F32 = np.dtype("float32")
 _ALGORITHMS = MappingProxyType(
@@ -146,3 +151,50 @@ def _is_wide(value: Any, dtype: np.dtype, path: str | None) -> bool:
         "default) or a function of an input's path returning one of them; got "
         f"{value!r}{where}."
     )
+
+
+# The elementwise operations whose broadcast parameter's gradient is widened.
+WIDE_ELEMENTWISE = frozenset({"add", "sub", "mul"})
+
+
+def wide_elementwise(
+    primitive: Any, params: Mapping[str, Any], vals: Sequence[Any], source: Any, i: int
+) -> Any:
+    """``bind(primitive, params, vals)`` (``add``, ``sub`` or ``mul`` that
+    broadcasts ``vals[i]``, the 16-bit cast of the float32 ``source``: a bias,
+    a norm's scale), differentiated so that ``source``'s cotangent is summed
+    over the broadcast axes in float32: its tangent is broadcast before the
+    cast, so the transpose widens the cotangent first (XLA fuses the widening
+    into the sum) and a partial sum across devices is reduced in float32. The
+    other operand's term is the plain one, so the backward keeps no
+    full-size copy of the parameter."""
+    low = dtype_of(vals[i])
+    j = 1 - i
+    like = vals[j]
+    shape = np.shape(like)
+
+    def order(x: Any, y: Any) -> list[Any]:
+        """``x`` in slot ``i``, ``y`` in the other."""
+        return [x, y] if i == 0 else [y, x]
+
+    @jax.custom_jvp
+    def op(p: Any, other: Any) -> Any:
+        return bind(primitive, params, order(cast(p, low), other))[0]
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        (p, other), (dp, dother) = primals, tangents
+        # Broadcast by adding zeros laid out as the activation: a plain
+        # broadcast is replicated under explicit sharding, so its transpose
+        # would gather the activation's cotangent.
+        part = dp.reshape((1,) * (len(shape) - np.ndim(dp)) + np.shape(dp))
+        zeros = lax.stop_gradient(jax.numpy.zeros_like(like, dtype=_F32))
+        wide = cast(part + zeros, low)
+        if primitive.name == "mul":
+            t = bind(primitive, params, order(cast(p, low), dother))[0]
+            t = t + bind(primitive, params, order(wide, other))[0]
+        else:  # add, sub: linear in both operands
+            t = bind(primitive, params, order(wide, dother))[0]
+        return op(p, other), t
+
+    op.defjvp(jvp)
+    return op(source, like)
