@@ -15,6 +15,7 @@ from jaxscale.float8._api import init as init
 from jaxscale.float8._api import value_and_grad as value_and_grad
 from jaxscale.float8._check import Float8GemmReport as Float8GemmReport
 from jaxscale.float8._check import gemm_report as gemm_report
+from jaxscale.float8._gather import all_gather as all_gather
 from jaxscale.float8._numerics import dequantize as dequantize
 from jaxscale.float8._numerics import quantize as quantize
 from jaxscale.float8._numerics import scale_from_amax as scale_from_amax
@@ -32,6 +33,7 @@ __all__ = [
     "Recipe",
     "RowwiseScaling",
     "accumulate_value_and_grad",
+    "all_gather",
     "apply",
     "checkpoint_policy",
     "dequantize",
