@@ -180,7 +180,10 @@ def autocast(
         per product and summed across devices in 16 bits: half the bytes), or
         a function of the input's path (``"[0]['params']['w']"``; keyword
         arguments ``"['name']..."``) returning one of these, called at trace
-        time. Forward and activation gradients are the same either way.
+        time. The same goes for a float32 parameter broadcast into an
+        ``add``, ``sub`` or ``mul`` (a bias, a norm's scale): its gradient is
+        summed in float32. Forward and activation gradients are the same
+        either way; convolution kernels' gradients stay in ``dtype``.
 
     Returns:
       A function with ``fun``'s signature and output structure.
