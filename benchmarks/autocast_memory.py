@@ -189,7 +189,7 @@ def resnet_problem(size: dict):
     variants = {
         "fp32": plain,
         "hand": functools.partial(loss, nets[F16]),
-        "autocast": jxs.autocast(plain),
+        "autocast": _autocast(plain),
     }
     args = (variables["params"], variables["batch_stats"], x, y)
     return variants, True, args
@@ -231,7 +231,7 @@ def resnet_sync_problem(size: dict):
     variants = {
         "fp32": data_parallel(plain),
         "hand": data_parallel(functools.partial(loss, nets[F16])),
-        "autocast": data_parallel(jxs.autocast(plain)),
+        "autocast": data_parallel(_autocast(plain)),
     }
     args = (variables["params"], variables["batch_stats"], x, y)
     return variants, True, args
@@ -252,7 +252,7 @@ def padded_lm_problem(size: dict):
     variants = {
         "fp32": plain,
         "hand": functools.partial(loss, nets[F16]),
-        "autocast": jxs.autocast(plain),
+        "autocast": _autocast(plain),
     }
     return variants, False, (params, inputs)
 
@@ -276,7 +276,7 @@ def char_transformer_problem(size: dict):
     variants = {
         "fp32": functools.partial(loss, F32, ct.cross_entropy),
         "hand": functools.partial(loss, F16, ct.cross_entropy),
-        "autocast": functools.partial(loss, F32, jxs.autocast(ct.cross_entropy)),
+        "autocast": functools.partial(loss, F32, _autocast(ct.cross_entropy)),
     }
     return variants, False, (params, x, y)
 
@@ -353,9 +353,20 @@ def f32_islands(loss: Callable, args: tuple) -> dict[str, Any]:
     }
 
 
-def measure(model: str, quick: bool) -> dict[str, Any]:
-    """One model's temporary memory per variant and its float32 islands."""
+# autocast's ``gradient_dtype`` for the "autocast" variant (see ``measure``).
+_GRADIENT_DTYPE: list[Any] = [None]
+
+
+def _autocast(fun: Any) -> Any:
+    return jxs.autocast(fun, gradient_dtype=_GRADIENT_DTYPE[0])
+
+
+def measure(model: str, quick: bool, gradient_dtype: Any = None) -> dict[str, Any]:
+    """One model's temporary memory per variant and its float32 islands; the
+    autocast variant with ``gradient_dtype`` (float16: the hand-cast models'
+    16-bit weight-gradient products, a like-with-like comparison)."""
     size = SIZES[model]["quick" if quick else "full"]
+    _GRADIENT_DTYPE[0] = gradient_dtype
     variants, has_aux, args = PROBLEMS[model](size)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(args[0]))
     temp = {name: temp_bytes(loss, has_aux, args) for name, loss in variants.items()}

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -161,5 +162,8 @@ def test_autocast_memory_at_most_hand_cast(model):
         jax.numpy_rank_promotion("allow"),
         jax.default_device(jax.devices("cpu")[0]),  # XLA:CPU's figure, on a GPU too
     ):
-        r = autocast_memory.measure(model, quick=False)
+        # Like with like: 16-bit weight-gradient products, as the hand-cast
+        # model has (the default's float32 ones cost 1.6% more on the char
+        # transformer: docs/multidevice.md).
+        r = autocast_memory.measure(model, quick=False, gradient_dtype=jnp.float16)
     assert r["autocast_bytes"] <= r["hand_bytes"], r
