@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from jaxscale.diagnostics._collectives import Collective, CollectiveReport
@@ -51,7 +52,9 @@ SCHEMES = (
     "float8 all-to-all",
 )
 _LABELS = ("float32 ring", "16-bit ring", "bf16 all-to-all", "f8 all-to-all")
-_STEPS = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}
+_STEPS = MappingProxyType(  # algorithm steps per (n - 1)
+    {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}
+)
 _SCALINGS = ("weak", "strong")
 
 
