@@ -266,3 +266,23 @@ def test_wire_time_refuses_what_is_not_a_report(report):
 def test_compression_table_bad_input(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         D.compression_table(*args, step_compute_seconds=0.01, **kwargs)
+
+
+@pytest.mark.core
+def test_the_guide_snippet_runs_after_the_compressed_reduction_step():
+    """docs/multidevice.md's ``wire_time`` snippet, on the step of the
+    compressed-reduction snippet before it."""
+    import pathlib
+    import re
+
+    guide = pathlib.Path(__file__).resolve().parents[1] / "docs" / "multidevice.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    (step,) = [b for b in blocks if "jxs.reduce_gradients(" in b]
+    (snippet,) = [b for b in blocks if "jxs.diagnostics.wire_time(" in b]
+    scope = {}
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam promotes itself
+        exec(step, scope)  # noqa: S102 - our own documentation
+        exec(snippet, scope)  # noqa: S102
+    t = scope["t"]
+    assert t.collectives and t.exposed  # overlap=0: all of it follows the compute
+    assert t.step_seconds == pytest.approx(0.015 + t.seconds)

@@ -547,17 +547,14 @@ class CompressionTable:
         )
 
     def __str__(self) -> str:
+        """Per row, what each scheme adds to the step (exposed wire time plus,
+        for the all-to-alls, the passes in parentheses)."""
         head = ["n", "link", "compute", *_LABELS, "float8 against 16-bit"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.rows:
             cells = [str(r.devices), r.link, _ms(r.compute_seconds)]
-            for wire, passes, over in zip(
-                r.wire_seconds, r.pass_seconds, r.overhead_seconds, strict=True
-            ):
-                text = _ms(over)
-                if passes or over != wire:
-                    text += f" ({_ms(wire)} + {_ms(passes)})"
-                cells.append(text)
+            for passes, over in zip(r.pass_seconds, r.overhead_seconds, strict=True):
+                cells.append(_ms(over) + (f" ({_ms(passes)} passes)" if passes else ""))
             verdict = "pays" if r.pays_over_16bit else "does not pay"
             cells.append(f"{verdict}: {r.saved_over_16bit * 1e3:+.3g} ms")
             lines.append("| " + " | ".join(cells) + " |")
