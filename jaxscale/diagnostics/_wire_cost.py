@@ -579,7 +579,8 @@ def compression_table(
     For a float32 gradient of ``parameters`` values on each of ``n`` devices,
     four ways to average it (:data:`SCHEMES`): a ring all-reduce in float32, a
     ring all-reduce in 16 bits (what XLA's partitioner sends under 16-bit
-    autocast, and the baseline that compression must beat: Agarwal et al.),
+    autocast, and the baseline that compression must beat, not float32: arXiv
+    2407.01378),
     :func:`jaxscale.reduce_gradients`' all-to-all and all-gather in bfloat16, and
     in float8 with error feedback (each with a float32 scale per
     ``block_size`` values). Each gets its link time from :func:`wire_time`'s
@@ -635,7 +636,11 @@ def compression_table(
     References:
       S. Agarwal, H. Wang, S. Venkataraman, D. Papailiopoulos, "On the
       utility of gradient compression in distributed training systems", MLSys
-      2022 (compression paid in 6 of more than 200 data-center set-ups).
+      2022, arXiv 2103.00543 (compression paid in 6 of more than 200
+      data-center set-ups).
+      "Beyond Throughput and Compression Ratios: Towards High End-to-end Utility
+      of Gradient Compression", arXiv 2407.01378 (compare with a 16-bit
+      baseline, not a 32-bit one).
       R. Thakur, R. Rabenseifner and W. Gropp, IJHPCA 19(1), 2005 (the
       collective cost formulas).
     """
