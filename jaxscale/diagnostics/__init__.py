@@ -29,6 +29,11 @@ from jaxscale.diagnostics._collectives import CollectiveReport as CollectiveRepo
 from jaxscale.diagnostics._collectives import (
     collective_report as collective_report,
 )
+from jaxscale.diagnostics._compression import CompressionRow as CompressionRow
+from jaxscale.diagnostics._compression import CompressionTable as CompressionTable
+from jaxscale.diagnostics._compression import (
+    compression_table as compression_table,
+)
 from jaxscale.diagnostics._cotangents import CotangentStats as CotangentStats
 from jaxscale.diagnostics._cotangents import cotangent_probe as cotangent_probe
 from jaxscale.diagnostics._cotangents import cotangent_report as cotangent_report
@@ -45,10 +50,7 @@ from jaxscale.diagnostics._summary import summary as summary
 from jaxscale.diagnostics._summary import underflow_report as underflow_report
 from jaxscale.diagnostics._wire_cost import Bandwidth as Bandwidth
 from jaxscale.diagnostics._wire_cost import CollectiveTime as CollectiveTime
-from jaxscale.diagnostics._wire_cost import CompressionRow as CompressionRow
-from jaxscale.diagnostics._wire_cost import CompressionTable as CompressionTable
 from jaxscale.diagnostics._wire_cost import WireTime as WireTime
-from jaxscale.diagnostics._wire_cost import compression_table as compression_table
 from jaxscale.diagnostics._wire_cost import wire_time as wire_time
 
 __all__ = [
