@@ -202,3 +202,20 @@ def test_gradient_wire_benchmark_small(tmp_path):
     }
     assert rows[("DP", "float16", "float32")] == pytest.approx(1.0, abs=0.02), out
     assert rows[("DP", "float16", "float16")] == pytest.approx(0.5, abs=0.02), out
+
+
+def test_wire_training_benchmark_small(tmp_path):
+    """Two seeds of a tiny char transformer over 8 CPU devices: float8 all-to-all
+    with error feedback ends within twice float32 pmean's seed spread."""
+    proc = run_script(
+        BENCHMARKS / "wire_training.py",
+        *("--steps", "30", "--seeds", "2", "--dim", "32", "--runs", "f32,f8"),
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert re.search(
+        r"^\| float32 pmean \| [\d.]+ ± [\d.]+ \| \d+ \| reference", out, re.M
+    )
+    f8 = re.search(r"^\| float8 e4m3 \+ error feedback \| .*\|$", out, re.M)
+    assert f8 and "within twice the seed spread" in f8.group(0), out

@@ -29,6 +29,11 @@ from jaxscale.diagnostics._collectives import CollectiveReport as CollectiveRepo
 from jaxscale.diagnostics._collectives import (
     collective_report as collective_report,
 )
+from jaxscale.diagnostics._compression import CompressionRow as CompressionRow
+from jaxscale.diagnostics._compression import CompressionTable as CompressionTable
+from jaxscale.diagnostics._compression import (
+    compression_table as compression_table,
+)
 from jaxscale.diagnostics._cotangents import CotangentStats as CotangentStats
 from jaxscale.diagnostics._cotangents import cotangent_probe as cotangent_probe
 from jaxscale.diagnostics._cotangents import cotangent_report as cotangent_report
@@ -43,20 +48,30 @@ from jaxscale.diagnostics._summary import layer_norms as layer_norms
 from jaxscale.diagnostics._summary import nonfinite_paths as nonfinite_paths
 from jaxscale.diagnostics._summary import summary as summary
 from jaxscale.diagnostics._summary import underflow_report as underflow_report
+from jaxscale.diagnostics._wire_cost import Bandwidth as Bandwidth
+from jaxscale.diagnostics._wire_cost import CollectiveTime as CollectiveTime
+from jaxscale.diagnostics._wire_cost import WireTime as WireTime
+from jaxscale.diagnostics._wire_cost import wire_time as wire_time
 
 __all__ = [
     "AutocastReport",
     "AutocastSite",
+    "Bandwidth",
     "Collective",
     "CollectiveReport",
+    "CollectiveTime",
+    "CompressionRow",
+    "CompressionTable",
     "CotangentStats",
     "MonitorState",
     "NoOverflowWarning",
     "OverflowEvent",
     "ScaleAtFloorWarning",
     "UnderflowReport",
+    "WireTime",
     "autocast_report",
     "collective_report",
+    "compression_table",
     "cotangent_probe",
     "cotangent_report",
     "cotangent_table",
@@ -65,4 +80,5 @@ __all__ = [
     "nonfinite_paths",
     "summary",
     "underflow_report",
+    "wire_time",
 ]
