@@ -148,6 +148,26 @@ def relax():
     return relaxed
 
 
+@pytest.fixture
+def on_cpu():
+    """The test's uncommitted arrays and jitted programs on the first CPU device,
+    on any host: for results compared with torch on the CPU or with a program
+    on the suite's 8 CPU devices (close to the bit only when XLA:CPU compiled
+    both; on a GPU host the default device is the GPU)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def pytest_runtest_logreport(report):
+    """With ``JAXSCALE_FAILURES=<file>``, each failure's traceback is appended to
+    that file as it happens (``.ci/gpu``: a suite cut off by its time limit
+    still says what failed and why)."""
+    path = os.environ.get("JAXSCALE_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 def enable_x64():
     """``jax.enable_x64(True)`` (jax >= 0.8), or its older experimental form."""
     if hasattr(jax, "enable_x64"):

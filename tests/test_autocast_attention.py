@@ -31,13 +31,6 @@ def qkv(peak, seed=0):
     return [jnp.asarray(x, jnp.float16).astype(jnp.float32) for x in (q, k, v)]
 
 
-def attention_impls():
-    impls = [None, "xla"]
-    if jax.default_backend() == "gpu":
-        impls.append("cudnn")
-    return impls
-
-
 def score_dtypes(fn, *args):
     """The output dtypes of the matmuls whose operands are (B, T, N, H)-like:
     the scores (q . k) and the weighted values (p . v)."""
@@ -48,7 +41,9 @@ def score_dtypes(fn, *args):
     ]
 
 
-@pytest.mark.parametrize("impl", attention_impls(), ids=str)
+# Not "cudnn": jax refuses float32 inputs there as the function is traced, so a
+# float32 function cannot ask for it (docs/autocast.md, attention).
+@pytest.mark.parametrize("impl", [None, "xla"], ids=str)
 @pytest.mark.parametrize("peak", [7e4, 1e6, 1e9])
 def test_dot_product_attention_stays_finite_where_float32_is(impl, peak):
     """Scores above float16's 65504 (the issue's case: 66,000) up to 1e9, where

@@ -303,6 +303,38 @@ def test_a_gpu_runs_the_weight_gradient_on_16_bit_operands(dtype, name):
 
 
 @pytest.mark.parametrize(
+    ("x_shape", "w_shape", "algorithms"),
+    [
+        ((B, D), (D, 1), 0),
+        ((B, 1), (1, H), 0),
+        ((1, D), (D, H), 0),
+        ((B, D), (D, H), 1),
+    ],
+    ids=["width-1 output", "one input feature", "batch of one", "matrix-matrix"],
+)
+def test_a_matrix_vector_weight_gradient_carries_no_gpu_algorithm(
+    x_shape, w_shape, algorithms
+):
+    """XLA:GPU runs a matrix-vector product as a reduction and refuses a dot
+    algorithm there (a regression head's weight gradient failed to compile on
+    an H200): such products take mixed operands, as on the CPU, and compute
+    the same gradient."""
+    w = jax.random.normal(jax.random.key(0), w_shape) / 4
+    x = jax.random.normal(jax.random.key(1), x_shape)
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    grad = jax.jit(jax.grad(jxs.autocast(loss, jnp.float16)))
+    text = grad.trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+    dots = re.findall(r"stablehlo.dot_general.*", text)
+    assert sum("lhs_precision_type = f16" in d for d in dots) == algorithms, dots
+    g = grad(w, x)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize(
     "bad", ["int8", jnp.float64, "float8_e4m3fn", jnp.bfloat16, object()]
 )
 def test_bad_gradient_dtype_raises(bad):

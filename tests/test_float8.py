@@ -571,6 +571,62 @@ def test_gemm_report_of_a_step_with_float8_below_min_dim_is_not_ok():
     assert "no float8 matmul" not in str(report)
 
 
+# Trimmed from XLA:GPU's module for an H200 (jax 0.10.2, deviceless): a Triton
+# GEMM fusion of two float8 operands, one of a float8 parameter converted to
+# bfloat16 inside it (not a float8 GEMM), one bfloat16 fusion, a cuBLASLt call.
+_GPU_MODULE = """HloModule m
+
+%f8_computation (p0: f8e4m3fn[32,64], p1: f8e5m2[32,64]) -> f32[64,64] {
+  %p0 = f8e4m3fn[32,64]{1,0} parameter(0)
+  %p1 = f8e5m2[32,64]{1,0} parameter(1)
+  ROOT %dot.3 = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%widened_computation (q0: f8e4m3fn[32,64], q1: bf16[64,32]) -> bf16[32,32] {
+  %q0 = f8e4m3fn[32,64]{1,0} parameter(0)
+  %c = bf16[32,64]{1,0} convert(%q0)
+  %q1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %dot.4 = bf16[32,32]{1,0} dot(%c, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%bf16_computation (r0: bf16[32,64], r1: bf16[64,32]) -> bf16[32,32] {
+  %r0 = bf16[32,64]{1,0} parameter(0)
+  %r1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %dot.5 = bf16[32,32]{1,0} dot(%r0, %r1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f8e4m3fn[32,64], b: f8e5m2[32,64], x: bf16[32,64], w: bf16[64,32]) -> f32[64,64] {
+  %a = f8e4m3fn[32,64]{1,0} parameter(0)
+  %b = f8e5m2[32,64]{1,0} parameter(1)
+  %x = bf16[32,64]{1,0} parameter(2)
+  %w = bf16[64,32]{1,0} parameter(3)
+  %g1 = f32[64,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%f8_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %g2 = bf16[32,32]{1,0} fusion(%a, %w), kind=kCustom, calls=%widened_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %g3 = bf16[32,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%bf16_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %c1 = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+  ROOT %r = f32[64,64]{1,0} add(%g1, %g1)
+}
+"""  # noqa: E501
+
+
+@pytest.mark.unit
+def test_compiled_float8_gemms_count_cublas_calls_and_triton_fusions():
+    """XLA:GPU gives small float8 products to Triton, not cuBLASLt (an H200's
+    gemm_report of a 32x64 model counted 0 GEMMs before): both are counted,
+    a fusion whose dot widens its float8 operand first is not."""
+    from jaxscale.float8._check import float8_gemms, summarize
+
+    assert float8_gemms(_GPU_MODULE) == 2
+    lowered = (
+        "%0 = stablehlo.dot_general %a, %b, contracting_dims = [0] x [0] : "
+        "(tensor<32x64xf8E4M3FN>, tensor<32x64xf8E5M2>) -> tensor<64x64xf32>"
+    )
+    report = summarize(lowered, _GPU_MODULE, "gpu")
+    assert (report.float8_dots, report.rewritable, report.float8_gemms) == (1, 1, 2)
+    assert report.ok and "2 float8 GEMM(s) compiled" in str(report)
+    assert not summarize(lowered, "HloModule m", "gpu").ok
+
+
 @pytest.mark.core
 def test_lowered_stablehlo_has_three_float8_gemms_in_gemm_rewriter_form():
     M, K, N = 16, 32, 24

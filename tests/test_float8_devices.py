@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jaxscale as jxs
 import jaxscale.float8._numerics as numerics
 
-pytestmark = [pytest.mark.core]
+pytestmark = [pytest.mark.core, pytest.mark.usefixtures("on_cpu")]
 
 N, D, LAYERS = 8, 64, 3
 CPUS = jax.devices("cpu")

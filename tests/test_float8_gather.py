@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 
-pytestmark = [pytest.mark.core]
+pytestmark = [pytest.mark.core, pytest.mark.usefixtures("on_cpu")]
 
 N, D, LAYERS = 8, 64, 3
 CPUS = jax.devices("cpu")

@@ -67,3 +67,64 @@ def test_the_full_mode_refuses_without_a_gpu(tmp_path):
     )
     assert done.returncode == 2
     assert "no GPU backend" in done.stderr and "--smoke" in done.stderr
+
+
+def test_a_spent_budget_skips_the_parts_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable, "BUDGET": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "suite",
+        "gpu.py",
+        "account",
+        "float8",
+    ]
+    assert all("SKIPPED" in line and "--rest" in line for line in lines), lines
+    assert not (out / "suite.txt").exists()
+
+
+def test_failures_are_written_as_they_happen(tmp_path):
+    """``JAXSCALE_FAILURES``: tests/conftest.py appends each failure's traceback
+    to the file when the test fails, not when the session ends (a run cut off
+    by its time limit keeps them)."""
+    test = tmp_path / "test_fails.py"
+    test.write_text(
+        "import pytest\n\npytestmark = pytest.mark.unit\n\n\n"
+        "def test_ok():\n    assert True\n\n\n"
+        "def test_wrong():\n    assert 1 + 1 == 3, 'arithmetic'\n"
+    )
+    log = tmp_path / "failures.txt"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            str(test),
+        ],
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "JAXSCALE_FAILURES": str(log),
+            "PYTHONPATH": str(ROOT / "tests"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = log.read_text()
+    assert "=== test_fails.py::test_wrong (call)" in text
+    assert "arithmetic" in text and "test_ok" not in text

@@ -3,7 +3,8 @@
 Each device sends its gradients in the wire dtype through an all-to-all, sums the
 copies of its chunk in float32 and all-gathers the mean back: two roundings to the
 wire dtype per value, however many devices (``jaxscale/_reduce.py``). The suite runs
-with 8 CPU devices (``tests/conftest.py``); sub-meshes take the first 2 or 4.
+with 8 CPU devices (``tests/conftest.py``), on any host; sub-meshes take the first
+2 or 4.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ N = 8
 F16, BF16, E4M3, E5M2 = jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
+@pytest.fixture(autouse=True)
+def _cpu(on_cpu):
+    """Every test on the suite's CPU devices, a GPU host's too."""
+
+
 def mesh_of(n=N):
-    return Mesh(np.array(jax.devices()[:n]), ("data",))
+    return Mesh(np.array(jax.devices("cpu")[:n]), ("data",))
 
 
 def reduced(rows, n=N, check_vma=True, **kwargs):

@@ -10,7 +10,7 @@ import pytest
 
 import jaxscale as jxs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("on_cpu")]
 
 torch = pytest.importorskip("torch")
 

@@ -16,7 +16,8 @@ On CUDA the term carries the ``F16_F16_F32``/``BF16_BF16_F32`` dot algorithm, so
 XLA:GPU runs that product on 16-bit operands with a float32 result (the tangent,
 a float32 widening of a 16-bit cotangent, is narrowed back exactly); elsewhere
 (XLA:CPU rejects the algorithms) it is the same product with mixed operands,
-which XLA:CPU computes in float32 anyway. ``lax.platform_dependent`` picks at
+which XLA:CPU computes in float32 anyway, and so is a matrix-vector product on
+CUDA (XLA:GPU rejects the algorithms there). ``lax.platform_dependent`` picks at
 lowering time, so a step compiled for a GPU from a CPU host gets the GPU form.
 """
 
@@ -34,6 +35,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxscale._autocast.values import cast, dtype_of
 from jaxscale._jax_private import (
     bind,
+    dot_dimension_numbers,
     preferred_element_type,
     with_preferred_element_type,
 )
@@ -104,7 +106,7 @@ def _wide_term(
     algorithm (the tangent narrowed exactly, since its cotangent is 16-bit)."""
     wide = with_preferred_element_type(params, _F32)
     algorithm = _ALGORITHMS.get(np.dtype(low))
-    if algorithm is None:
+    if algorithm is None or not _matrix_matrix(params, args):
         return bind(primitive, wide, args)[0]
     on_gpu = dict(wide, precision=algorithm)  # a dot algorithm is a precision
     # Both operands float32 (exact widenings) for the algorithm, which rounds
@@ -115,6 +117,24 @@ def _wide_term(
         cuda=lambda *a: bind(primitive, on_gpu, [cast(x, _F32) for x in a])[0],
         default=lambda *a: bind(primitive, wide, a)[0],
     )
+
+
+def _matrix_matrix(params: Mapping[str, Any], args: Sequence[Any]) -> bool:
+    """Whether the product and its transposes are matrix-matrix products: its
+    contracted size and each operand's free size above 1. XLA:GPU runs a
+    matrix-vector product (a width-1 output layer's weight gradient) as a
+    reduction and rejects a dot algorithm there ("Unsupported dot precision
+    algorithm", jax 0.10 and 0.11); such a product is cheap in float32."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dot_dimension_numbers(params)
+
+    def size(shape: tuple[int, ...], keep: Any) -> int:
+        return int(np.prod([d for i, d in enumerate(shape) if keep(i)], dtype=np.int64))
+
+    lhs, rhs = np.shape(args[0]), np.shape(args[1])
+    contracted = size(lhs, lambda i: i in lhs_contract)
+    lhs_free = size(lhs, lambda i: i not in (*lhs_contract, *lhs_batch))
+    rhs_free = size(rhs, lambda i: i not in (*rhs_contract, *rhs_batch))
+    return min(contracted, lhs_free, rhs_free) > 1
 
 
 def gradient_policy(gradient_dtype: Any, dtype: np.dtype) -> Callable[[str], bool]:

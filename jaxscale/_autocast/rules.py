@@ -389,6 +389,7 @@ UNLISTED: Mapping[str, str] = types.MappingProxyType(
                 "custom_linear_solve",
                 "eval_jaxpr",
                 "for",
+                "program_order",  # jax 0.11's jax.experimental.overlap
                 "xla_pmap",
             ),
             _HIGHER_ORDER_REWRITE,

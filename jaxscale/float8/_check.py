@@ -8,7 +8,10 @@ one free dimension each and no batch dimension, not both operands
 ``float8_e5m2``, the output ``bfloat16``, ``float16`` or ``float32``, scales that
 are scalars. :func:`gemm_report` reads the lowered program (any backend: the
 form is checked where the rewriter would see it) and, on a GPU, the compiled
-one (the GEMMs really emitted).
+one (the GEMMs really emitted): cuBLASLt float8 calls, and the Triton GEMM
+fusions (``__triton_gemm``, ``__triton_nested_gemm_fusion``) whose dot multiplies
+float8 operands, which XLA:GPU picks for small products (for an H200 with jax
+0.10: a 32x64 by 64x32 product) or where its autotuner finds them faster.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["Float8GemmReport", "gemm_report", "summarize"]
+from jaxscale import _hlo as hlo
+
+__all__ = ["Float8GemmReport", "float8_gemms", "gemm_report", "summarize"]
 
 _DOT = re.compile(
     r"stablehlo\.dot_general\s+(?P<args>.*?):\s*\((?P<types>.*?)\)\s*->\s*(?P<out>tensor<[^>]*>)"
@@ -31,6 +36,9 @@ _DIMS = re.compile(
 _F8 = ("f8E4M3FN", "f8E5M2")
 _OUT_OK = ("bf16", "f16", "f32")
 _CUBLAS_F8 = '"__cublas$lt$matmul$f8"'
+# A Triton GEMM fusion's kind: "__triton_gemm", or "__triton_nested_gemm_fusion"
+# (jax 0.10's XLA, before autotuning picks a configuration).
+_TRITON_GEMM = re.compile(r'"kind":"__triton(_nested)?_gemm')
 _NONE = (
     "  - no float8 matmul at all: the function runs nothing in float8. A "
     "`dot_general` is a float8 site only if it has no batch dimensions and the "
@@ -53,8 +61,9 @@ class Float8GemmReport(NamedTuple):
         program.
       rewritable: how many of them are in the form XLA:GPU's GEMM rewriter turns
         into a cuBLASLt float8 GEMM.
-      float8_gemms: cuBLASLt float8 GEMM calls in the compiled program (on a GPU;
-        ``None`` elsewhere: XLA:CPU computes float8 products in float32).
+      float8_gemms: float8 GEMMs in the compiled program: cuBLASLt float8 calls
+        and Triton GEMM fusions of float8 operands (on a GPU; ``None``
+        elsewhere: XLA:CPU computes float8 products in float32).
       problems: for each float8 dot not in that form, why not.
 
     Examples:
@@ -86,7 +95,7 @@ class Float8GemmReport(NamedTuple):
         gemms = (
             "not compiled for a GPU"
             if self.float8_gemms is None
-            else f"{self.float8_gemms} cuBLASLt float8 GEMM(s) compiled"
+            else f"{self.float8_gemms} float8 GEMM(s) compiled"
         )
         lines = [
             f"float8 GEMM check ({self.platform}): {self.float8_dots} float8 dot(s), "
@@ -141,13 +150,42 @@ def _check(line: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def float8_gemms(compiled: str) -> int:
+    """The float8 GEMMs of an XLA:GPU-compiled module's text: cuBLASLt float8
+    calls, and Triton GEMM fusions whose ``dot`` takes two float8 operands
+    (parameters of the fusion or converts inside it)."""
+    comps, _ = hlo.computations(compiled)
+    count = compiled.count(_CUBLAS_F8)
+    for lines in comps.values():
+        for line in lines:
+            if "kind=kCustom" not in line or not _TRITON_GEMM.search(line):
+                continue
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            if called and _dot_of_float8(comps.get(called.group(1), [])):
+                count += 1
+    return count
+
+
+def _dot_of_float8(lines: list[str]) -> bool:
+    """Whether a fused computation's ``dot`` multiplies two float8 values."""
+    types = {}
+    for line in lines:
+        name, _, rhs = line.partition(" = ")
+        types[name.lstrip("%")], rest = hlo.split_type(rhs)
+        opcode, names, _ = hlo.operands(rest)
+        if opcode == "dot" and len(names) == 2:
+            return all(types.get(n, "").startswith("f8") for n in names)
+    return False
+
+
 def gemm_report(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Float8GemmReport:
     """Checks that ``fun``'s float8 matmuls become float8 GEMMs when compiled.
 
     ``fun`` (jitted or not: a train step, a loss) is lowered on ``args`` for the
     default backend. Every ``dot_general`` with float8 operands is checked
     against the form XLA:GPU's GEMM rewriter needs; on a GPU the program is also
-    compiled and its cuBLASLt float8 GEMM calls are counted, so a silent
+    compiled and its float8 GEMMs (cuBLASLt calls, Triton GEMM fusions of float8
+    operands) are counted, so a silent
     fallback to a 16-bit product shows. ``jxs.autocast(..., float8=...)`` emits
     every site in that form; a float8 dot written by hand may not be.
 
@@ -187,7 +225,7 @@ def summarize(lowered: str, compiled: str | None, platform: str) -> Float8GemmRe
         found += is_f8
         if why is not None:
             problems.append(why)
-    gemms = compiled.count(_CUBLAS_F8) if compiled is not None else None
+    gemms = None if compiled is None else float8_gemms(compiled)
     return Float8GemmReport(
         platform, found, found - len(problems), gemms, tuple(problems)
     )
