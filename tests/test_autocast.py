@@ -243,7 +243,12 @@ CASES = {
     "bias_sub": (lambda x, w, b, y: x @ w - b[None], F16),
     "bias_reshaped": (lambda x, w, b, y: x @ w + b.reshape(1, 8), F16),
     "full_shape_add": (lambda x, w, b, y: x @ w + y, F32),
-    "computed_vector_add": (lambda x, w, b, y: x @ w + jnp.sin(b)[None], F32),
+    # a vector computed from a parameter alone is one (issue 40: ``1 + scale``)
+    "computed_vector_add": (lambda x, w, b, y: x @ w + jnp.sin(b)[None], F16),
+    "mixed_vector_add": (
+        lambda x, w, b, y: x @ w + (b[None] * jnp.exp(x @ w))[:1],
+        F32,
+    ),
     # norm: a float16 activation with a float32 parameter or statistic broadcast
     # from fewer elements: computed in float32, rounded to float16
     # (test_norm_case_computes_in_float32_and_rounds)

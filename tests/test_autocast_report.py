@@ -488,8 +488,10 @@ def test_island_notes_say_what_widened_the_activation():
     ).islands
     assert first.primitive == "mul"
     assert first.note == (
-        "float16 widened by f32[1,8,16], a float32 value broadcast to its shape "
-        "(a RoPE table, a mask or bias computed in float32)"
+        "float16 widened by f32[1,8,16], a float32 value made by `cos` broadcast "
+        "to its shape, computed from more than parameters and constants (from "
+        "positions, as a RoPE table, or from an activation); passed in as an "
+        "argument it would be cast"
     )
 
     def scanned(w, x):

@@ -225,3 +225,30 @@ def test_wire_training_benchmark_small(tmp_path):
     )
     f8 = re.search(r"^\| float8 e4m3 \+ error feedback \| .*\|$", out, re.M)
     assert f8 and "within twice the seed spread" in f8.group(0), out
+
+
+def test_param_values_benchmark_quick(tmp_path):
+    # benchmarks/param_values.py --quick: Gemma- and Griffin-style blocks, each
+    # scale form and the in-function mask at the plain form's temporary memory
+    # (issue 40), with no float32 island the plain form lacks.
+    proc = run_script(BENCHMARKS / "param_values.py", "--quick", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = re.findall(
+        r"^\| (gemma|griffin) \| ([\w ,]+?) \| [\d.]+ \| [\d.]+ "
+        r"\| ([\d.]+) \| (\d+) \|$",
+        out,
+        re.M,
+    )
+    assert [(m, f) for m, f, *_ in rows] == [
+        ("gemma", "plain"),
+        ("gemma", "one plus"),
+        ("gemma", "softplus"),
+        ("gemma", "exp"),
+        ("griffin", "plain"),
+        ("griffin", "softplus"),
+        ("griffin", "exp"),
+    ], out
+    plain = {m: islands for m, f, _, islands in rows if f == "plain"}
+    for model, _, ratio, islands in rows:
+        assert float(ratio) <= 1.05 and int(islands) == int(plain[model]), out

@@ -268,6 +268,13 @@ class Bias(RuleClass):
                 f"activation: cast to {it.dtype.name}, saturating"
             )
             cast = [self.saturating_cast(it, v, it.dtype) for v in vals]
+        elif kind == "mask":
+            it.note(
+                f"float32 0/1 mask (a boolean converted in the function) "
+                f"multiplied into a {it.dtype.name} activation: cast to "
+                f"{it.dtype.name}, exactly"
+            )
+            cast = [it.cast(v, it.dtype) for v in vals]
         else:
             return promote(it, eqn, vals, infos, traced), None
         shape = np.shape(eqn.outvars[0].aval)

@@ -87,6 +87,15 @@ def _default_infos(outs: Sequence[Any]) -> list[Info]:
     return [fresh_info(o) for o in outs]
 
 
+def _param_infos(body: Sequence[Info], outs: Sequence[Any]) -> list[Info]:
+    """Fresh infos of ``outs`` but for the body's word on parameters: a value
+    computed from parameters and constants alone stays one."""
+    return [
+        fresh_info(o)._replace(param=b.param, wide=b.wide)
+        for b, o in zip(body, outs, strict=True)
+    ]
+
+
 def _retrace(
     it: Interpreter, closed: Any, vals: Sequence[Any], infos: Sequence[Info]
 ) -> tuple[Any, list[Info]]:
@@ -263,10 +272,15 @@ def _custom_jvp(
         return None
     call, nc = parts.call, parts.num_consts
     consts, primals, pinfos = vals[:nc], vals[nc:], infos[nc:]
+    box: list[list[Info]] = []
 
     def impl(*xs: Any) -> list[Any]:
         with it.ext.suspended():
-            return it.eval_closed(call, [*consts, *xs], [*infos[:nc], *pinfos])[0]
+            outs, out_infos = it.eval_closed(
+                call, [*consts, *xs], [*infos[:nc], *pinfos]
+            )
+        box.append(out_infos)
+        return outs
 
     def jvp(xs: Sequence[Any], ts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         rule, out_zeros = parts.rule(len(xs))
@@ -288,7 +302,9 @@ def _custom_jvp(
     fn = jax.custom_jvp(_named(impl, call))
     fn.defjvp(jvp)
     outs = fn(*primals)
-    return list(outs), _default_infos(outs)
+    # What the body says of its outputs: ``softplus`` of a parameter (a
+    # ``custom_jvp`` of parameters alone) is a parameter, as ``exp`` of one is.
+    return list(outs), _param_infos(box[0], outs) if box else _default_infos(outs)
 
 
 def _custom_vjp(

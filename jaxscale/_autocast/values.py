@@ -73,6 +73,12 @@ class Info(NamedTuple):
     # An input (or a view of one) whose gradient leaves a matmul in float32
     # (``autocast``'s ``gradient_dtype``): see ``jaxscale._autocast.gradients``.
     wide: bool = False
+    # Its values are 0 or 1: a boolean converted to a float (a mask), viewed,
+    # selected or multiplied by another such: exact in every float dtype.
+    unit: bool = False
+    # The primitive that computed it, views and casts skipped ("" for an input
+    # or a constant): what the report's island notes name.
+    origin: str = ""
 
 
 def size_of(x: Any) -> int:
@@ -157,11 +163,15 @@ def bias_kind(
     ``dtype`` from a "lower" op, ``bias`` a castable wider parameter of rank
     <= 1, broadcast or reshaped: the bias is cast to ``dtype`` (torch's
     ``linear``). ``"norm"``: an activation in ``dtype`` combined with a wider
-    value broadcast from fewer elements that is a parameter, a statistic
+    value broadcast from fewer elements that is a parameter (or computed from
+    parameters and constants alone: Gemma's ``1 + scale``), a statistic
     (reductions of activations, as a norm's mean and variance) or a constant
     that fits ``dtype``: the wider value is cast to ``dtype`` (saturating) and
     the operation runs in ``dtype``, so the activation stays in ``dtype`` as
-    with torch's ``batch_norm`` and Flax's ``dtype=float16``."""
+    with torch's ``batch_norm`` and Flax's ``dtype=float16``. ``"mask"``: an
+    activation in ``dtype`` times a wider 0/1 mask (a boolean converted to a
+    float in the function: ``mask.astype(h.dtype)`` read float32 when traced):
+    the mask is cast to ``dtype``, exactly, and the product runs in ``dtype``."""
     if len(vals) != 2:
         return None
     for k in (0, 1):
@@ -170,6 +180,8 @@ def bias_kind(
             continue
         if dtype_of(wide).itemsize <= dtype.itemsize:
             continue
+        if name == "mul" and w_i.unit:
+            return "mask"
         if const_misfit(wide, w_i, dtype) is not None:
             return None
         if name in ("add", "sub") and lo_i.lowered and w_i.param and w_i.src_rank <= 1:
@@ -276,6 +288,17 @@ _STAT_OPS = (
     }
 )
 
+# Elementwise arithmetic that keeps a value computed from parameters and
+# constants alone a parameter (Gemma's ``1 + scale``, ``softplus(raw)``,
+# ``exp(log_scale)``, ``w * 0.5``): broadcast against an activation, it follows
+# the parameter rules (``bias_kind``).
+_PARAM_OPS = frozenset(
+    {"abs", "add", "atan2", "cbrt", "clamp", "cos", "div", "erf", "exp", "exp2"}
+    | {"expm1", "integer_pow", "log", "log1p", "logistic", "max", "min", "mul"}
+    | {"neg", "pow", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub"}
+    | {"tan", "tanh"}
+)
+
 _SAME_LOWERED = frozenset(
     {"copy", "name", "pvary", "reshape", "reshard", "sharding_constraint", "squeeze"}
     | {"transpose"}
@@ -301,6 +324,12 @@ def provenance(
         stat = True
     elif name in _STAT_OPS and any(i.stat for i in floats):
         stat = all(i.stat or i.param or i.src_size == 1 for i in floats)
+    derived = (
+        name in _PARAM_OPS
+        and any(i.param for i in floats)
+        and all(i.param or i.const is not None for i in floats)
+    )
+    unit = _unit(eqn, infos)
     # Elementwise on broadcast operands (a statistic times a scale): the
     # result holds no more distinct sources than its operands together.
     elementwise = elementwise and name not in REDUCTIONS
@@ -321,8 +350,11 @@ def provenance(
             ) == _nonunit(shape)
             src = first.src_rank if same_rank else src
             src_size = first.src_size
+        origin = infos[0].origin if infos and name in _SAME_PARAM else name
         if infos and name in _SAME_PARAM:
             param, wide = infos[0].param, infos[0].wide
+        elif derived:
+            param, wide = True, any(i.wide for i in floats)
         if infos and name in _SAME_LOWERED:
             lowered = infos[0].lowered
         if infos and name in _SAME_VALUES and infos[0].const is not None:
@@ -338,6 +370,29 @@ def provenance(
                 stat and floating(dtype_of(out)),
                 const,
                 wide,
+                unit and floating(dtype_of(out)),
+                origin,
             )
         )
     return result
+
+
+def _unit(eqn: Any, infos: list[Info]) -> bool:
+    """Whether the equation's output holds only 0 and 1 (see ``Info.unit``)."""
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        return eqn.invars[0].aval.dtype == np.bool_ or infos[0].unit
+    if name in _SAME_PARAM:
+        return bool(infos) and infos[0].unit
+    if name == "mul":
+        return all(i.unit for i in infos)
+    if name == "select_n":  # the predicate, then the cases
+        return all(i.unit or _zero_or_one(i.const) for i in infos[1:])
+    return False
+
+
+def _zero_or_one(const: Const | None) -> bool:
+    if const is None or const.root is None:
+        return False
+    values = np.asarray(const.root)
+    return values.size <= _MAX_CONST and bool(np.all((values == 0) | (values == 1)))

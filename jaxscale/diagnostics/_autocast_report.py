@@ -132,9 +132,11 @@ class AutocastReport:
         survive narrowing (see :func:`autocast`): saturated to the finite range
         in a selection, or run in float32 elsewhere, as the note says.
       norms: the operations of the norm rule: a norm's float32 statistic or
-        parameter applied to an activation in ``dtype``, cast to ``dtype``
+        parameter (or a value computed from parameters alone, as ``1 +
+        scale``) applied to an activation in ``dtype``, cast to ``dtype``
         (saturating at its finite range) so that the operation runs in
-        ``dtype``.
+        ``dtype``; and of the mask rule: a 0/1 mask made in the function
+        multiplied into such an activation, cast exactly.
       deviation: with ``compare=True``, every operation with floating outputs
         and concrete values, worst first (by ``local_error``, then
         ``nonfinite``, then ``rel_error``); ``None`` otherwise.

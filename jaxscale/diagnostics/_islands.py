@@ -58,12 +58,14 @@ def widening_operand(atom: Any, info: Info, size: int, carries: frozenset[Any]) 
             if broadcast
             else "a float32 parameter or input"
         )
+    made = f" made by `{info.origin}`" if info.origin else ""
     if broadcast:
         return (
-            "a float32 value broadcast to its shape (a RoPE table, a mask or "
-            "bias computed in float32)"
+            f"a float32 value{made} broadcast to its shape, computed from more "
+            "than parameters and constants (from positions, as a RoPE table, or "
+            "from an activation); passed in as an argument it would be cast"
         )
-    return "a full-size float32 activation (a residual stream kept in float32)"
+    return f"a full-size float32 activation{made} (a residual stream kept in float32)"
 
 
 def widened_note(
