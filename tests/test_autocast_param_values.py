@@ -12,7 +12,8 @@ activation is cast to float16, exactly. Tested on plain jax, flax linen (under
 
 from __future__ import annotations
 
-import equinox as eqx
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,10 @@ from helpers import all_eqns
 
 import jaxscale as jxs
 from jaxscale.diagnostics import autocast_report
+
+with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import equinox as eqx
 
 pytestmark = [pytest.mark.core]
 
