@@ -6,8 +6,10 @@ a score above 65504 is ``inf`` before the softmax sees it; torch's fused
 attention and ``jax.nn.dot_product_attention`` (``preferred_element_type=
 float32``) keep scores in float32. A matmul whose every use leads, through
 such cheap elementwise steps and views, to float32 work can take float16
-operands and produce float32 at no extra cost: the float32 copy existed
-anyway. :func:`widened` finds those values.
+operands and produce float32. On XLA:CPU that costs nothing (the float32 copy
+existed anyway); XLA:GPU fuses the cast into the consumer, so there the
+float32 product is twice the bytes of the float16 one (docs/measurements.md,
+the H200 run of 2026-11-27). :func:`widened` finds those values.
 
 A value *widens* when every floating use of it is
 
