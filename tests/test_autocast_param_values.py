@@ -99,6 +99,26 @@ def test_a_scale_computed_from_a_parameter_keeps_the_stream_16_bit(form):
         np.testing.assert_allclose(grads[k], ref[k], rtol=5e-2, atol=5e-3)
 
 
+@pytest.mark.parametrize(
+    ("gradient_dtype", "wire"), [(None, "float32"), (F16, "float16")]
+)
+def test_a_derived_scales_gradient_crosses_devices_in_the_chosen_dtype(
+    gradient_dtype, wire
+):
+    """``1 + s`` is cast at its use as ``s`` would be, and its gradient is summed
+    as a parameter's: data parallel over the suite's 8 CPU devices, the
+    all-reduce of ``s``'s gradient is float32 by default (``gradient_dtype``)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    p = jax.device_put(block_params(), replicated)
+    x = jax.device_put(_normal(3, (8, T, D)), rows)
+    loss = jxs.autocast(block(lambda s: 1 + s), gradient_dtype=gradient_dtype)
+    report = jxs.diagnostics.collective_report(jax.jit(jax.grad(loss)))(p, x)
+    scale = [c.dtype for c in report.select("all-reduce") if c.shape == (D,)]
+    assert scale and set(scale) == {wire}, report  # one per use, or combined
+
+
 def test_the_scale_form_matches_the_plain_form_bit_for_bit():
     """``normed * (1 + s)`` under autocast is ``normed * w`` with ``w = 1 + s``
     computed in float32 and passed in: the same float16 program."""
