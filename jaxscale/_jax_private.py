@@ -71,6 +71,7 @@ __all__ = [
     "WhileParts",
     "bind",
     "binding_at",
+    "branch_platforms",
     "call_body",
     "call_like_body",
     "close",
@@ -83,6 +84,7 @@ __all__ = [
     "custom_jvp_parts",
     "custom_vjp_parts",
     "dot_dimension_numbers",
+    "dot_precision",
     "enclosing_trace",
     "eqn_context",
     "integer_pow_exponent",
@@ -273,9 +275,7 @@ def call_body(eqn: Any) -> Any:
     ``eval_jaxpr``) evaluates."""
     p = eqn.params
     body = p.get("call_jaxpr", p.get("jaxpr"))
-    if not isinstance(body, jcore.Jaxpr | jcore.ClosedJaxpr):
-        return None
-    return close(body)
+    return close(body) if _is_jaxpr(body) else None
 
 
 class RematParts(NamedTuple):
@@ -383,6 +383,13 @@ def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
     branches' arguments); re-bound with ``rebind(eqn, vals, branches=...)``."""
     branches = eqn.params.get("branches")
     return None if branches is None else tuple(close(b) for b in branches)
+
+
+def branch_platforms(eqn: Any) -> tuple[Any, ...] | None:
+    """The platforms of each branch of a ``cond`` made by
+    ``lax.platform_dependent`` (``(("cuda",), None)``: ``None`` the default),
+    of which lowering keeps one; ``None`` for any other ``cond``."""
+    return eqn.params.get("branches_platforms")
 
 
 class CustomJvpParts(NamedTuple):
@@ -580,6 +587,12 @@ def preferred_element_type(params: Mapping[str, Any]) -> Any:
     return params.get("preferred_element_type")
 
 
+def dot_precision(params: Mapping[str, Any]) -> Any:
+    """A dot's ``precision``: ``None``, ``lax.Precision`` values or a
+    ``lax.DotAlgorithmPreset`` (``F16_F16_F32``...)."""
+    return params.get("precision")
+
+
 def with_preferred_element_type(params: Mapping[str, Any], dtype: Any) -> dict:
     return dict(params, preferred_element_type=dtype)
 
@@ -595,10 +608,8 @@ def convert_target(params: Mapping[str, Any]) -> Any:
 
 def combiner(params: Mapping[str, Any]) -> Any:
     """A scatter's combiner as a closed jaxpr, or ``None``."""
-    update = params.get("update_jaxpr")
-    if update is None:
-        return None
-    return jcore.ClosedJaxpr(update, list(params.get("update_consts", ())))
+    update, consts = params.get("update_jaxpr"), params.get("update_consts", ())
+    return None if update is None else jcore.ClosedJaxpr(update, list(consts))
 
 
 def with_combiner(params: Mapping[str, Any], closed: Any) -> dict:

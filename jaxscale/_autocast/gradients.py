@@ -42,6 +42,7 @@ from jaxscale._jax_private import (
 from jaxscale._policy import parse_float_dtype
 
 __all__ = [
+    "DOT_ALGORITHMS",
     "WIDE_ELEMENTWISE",
     "gradient_policy",
     "wide_elementwise",
@@ -49,7 +50,9 @@ __all__ = [
 ]
 
 _F32 = np.dtype("float32")
-_ALGORITHMS = MappingProxyType(
+# The dot algorithm of a weight-gradient product on CUDA, per 16-bit dtype: it
+# rounds both operands to that dtype and accumulates in float32.
+DOT_ALGORITHMS = MappingProxyType(
     {
         np.dtype("float16"): lax.DotAlgorithmPreset.F16_F16_F32,
         np.dtype(jax.numpy.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
@@ -105,7 +108,7 @@ def _wide_term(
     ``low``), accumulated and returned in float32: on CUDA with the 16-bit dot
     algorithm (the tangent narrowed exactly, since its cotangent is 16-bit)."""
     wide = with_preferred_element_type(params, _F32)
-    algorithm = _ALGORITHMS.get(np.dtype(low))
+    algorithm = DOT_ALGORITHMS.get(np.dtype(low))
     if algorithm is None or not _matrix_matrix(params, args):
         return bind(primitive, wide, args)[0]
     on_gpu = dict(wide, precision=algorithm)  # a dot algorithm is a precision
@@ -161,7 +164,7 @@ def _is_wide(value: Any, dtype: np.dtype, path: str | None) -> bool:
         dt = None
     if dt == _F32:
         return True
-    if dt is not None and (dt == dtype or dtype == _F32 and dt in _ALGORITHMS):
+    if dt is not None and (dt == dtype or dtype == _F32 and dt in DOT_ALGORITHMS):
         return False
     raise ValueError(
         f"`gradient_dtype` must be float32 (the default: a float32 input's "

@@ -180,7 +180,16 @@ class Interpreter:
     ``handlers`` higher-order constructs (``"scan"``, ``"call"``, ...,
     ``"generic"`` for any other) to the functions that evaluate them
     (:data:`jaxscale._autocast.hop.HANDLERS`).
+
+    A region another autocast owns (a function ``jxs.autocast`` has already
+    rewritten, as in the jaxpr of ``jax.grad(jxs.autocast(f))``) runs as
+    traced. Its higher-order equations are re-bound whole, unless
+    ``enters_owned`` (the report's census): then they are evaluated by their
+    handlers like any other, every equation inside them as traced, so that an
+    observer sees what is inside a gradient's ``jit`` and custom derivatives.
     """
+
+    enters_owned = False
 
     def __init__(
         self,
@@ -213,6 +222,7 @@ class Interpreter:
         self._widening: frozenset[Any] = frozenset()
         self._lookahead: dict[tuple[Any, tuple[bool, ...]], frozenset[Any]] = {}
         self._outer: tuple[bool, ...] | None = None
+        self._owned = 0  # the depth of owned higher-order equations entered
 
     @property
     def ext(self) -> Any:
@@ -317,9 +327,18 @@ class Interpreter:
         self, eqn: Any, vals: list[Any], infos: list[Info]
     ) -> tuple[list[Any], list[Info]]:
         name = eqn.primitive.name
-        rule = Rule.TRACED if _in_owned_region(eqn) else self.table.get(name)
+        owned = self._owned > 0 or _in_owned_region(eqn)
+        rule = Rule.TRACED if owned else self.table.get(name)
         retry = False  # an unknown first-order primitive: as traced if it refuses
-        if rule is None and is_higher_order(eqn):  # not overridden: recurse
+        if owned and self.enters_owned and self.recurses_into(eqn):
+            self._owned += 1
+            try:
+                result = self.eval_higher_order(eqn, vals, infos)
+            finally:
+                self._owned -= 1
+            if result is not None:
+                return result
+        elif rule is None and is_higher_order(eqn):  # not overridden: recurse
             result = self.eval_higher_order(eqn, vals, infos)
             if result is not None:
                 return result
@@ -387,7 +406,8 @@ class Interpreter:
                 result = self.handlers["generic"](self, eqn, vals, infos)
         except Unrewritable as e:
             known = "its parameters are not the ones this version expects, and "
-            self.warn(eqn.primitive.name, (known if handler else "") + str(e))
+            if not self._owned:  # owned: as traced, as its autocast ran it
+                self.warn(eqn.primitive.name, (known if handler else "") + str(e))
             return None
         finally:
             self._outer = None

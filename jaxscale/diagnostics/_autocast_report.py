@@ -104,7 +104,8 @@ class AutocastReport:
       dtype: the autocast dtype (``"float16"`` or ``"bfloat16"``; ``"float32"``
         when autocast is off).
       operations: the number of operations (first-order equations, in the
-        function and in the bodies of its ``jit``, ``scan``, ``cond``...).
+        function and in the bodies of its ``jit``, ``scan``, ``cond``, custom
+        derivatives..., in a gradient's too).
       by_primitive: primitive name to {dtype it ran in: count}. The dtype an
         operation ran in is that of its floating operands after autocast's casts
         (a norm-rule operation, its float32 operand cast to ``dtype``, ran in
@@ -316,7 +317,13 @@ def autocast_report(
     it is as cheap for a large model as tracing it, and array arguments may be
     given as ``jax.ShapeDtypeStruct``. Every count is per equation of ``fun``
     (an operation in a ``lax.scan`` body counts once, one in a ``jit`` function
-    called twice counts twice). With ``compare=True`` it
+    called twice counts twice). The report of a gradient,
+    ``jax.grad(jxs.autocast(loss))``, counts its operations as the inner
+    autocast left them, inside its ``jit`` and custom derivatives too; a
+    weight-gradient product widened by ``gradient_dtype`` counts as one
+    ``dot_general`` in ``dtype``, as it runs on a GPU (of a
+    ``lax.platform_dependent`` computation, the first platform's branch is
+    counted). With ``compare=True`` it
     also runs the function eagerly (operation by operation, not under ``jit``),
     once in float32 and once under autocast, on the same jaxpr and the given
     arguments, and lists every operation's deviation from float32, worst first:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxscale._autocast.classes import WIDE_NOTE
+from jaxscale._autocast.gradients import DOT_ALGORITHMS
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import (
     REGION_PREFIX,
@@ -37,10 +38,12 @@ from jaxscale._autocast.interp import (
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import Info, cast, dtype_of, floating, is_castable
 from jaxscale._jax_private import (
+    branch_platforms,
     call_like_body,
     construct_of,
     custom_jvp_parts,
     custom_vjp_parts,
+    dot_precision,
     name_stack_text,
     rebind,
     user_frame,
@@ -111,7 +114,12 @@ class _Frame:
 
 class _Walker(Interpreter):
     """An interpreter that knows which higher-order equations it is inside, so
-    each equation of the function has one key however often it is traced."""
+    each equation of the function has one key however often it is traced.
+
+    The branches of a ``lax.platform_dependent`` cond are alternatives for one
+    computation (lowering keeps one): only the first (the first platform
+    named) is observed. A widened weight-gradient product is such a cond, its
+    first branch the CUDA one (:mod:`jaxscale._autocast.gradients`)."""
 
     def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any, **kw):
         super().__init__(dtype, table, handlers, **kw)  # classes=, extension=
@@ -119,6 +127,7 @@ class _Walker(Interpreter):
         self._frames: list[_Frame] = []
         self._calls: list[tuple[Any, list[Any], list[Info]]] = []
         self._carries: list[frozenset[Any]] = []  # per jaxpr: its loop carries
+        self._muted = 0  # inside a platform-dependent cond's later branch
 
     def path(self, eqn: Any) -> tuple[Any, ...]:
         return tuple(f.eqn for f in self._frames if f.eqn is not eqn)
@@ -137,7 +146,8 @@ class _Walker(Interpreter):
             self._calls.pop()
             if hop:
                 self._frames.pop()
-        self.finished(eqn, frame, vals, outs)
+        if not self._muted:
+            self.finished(eqn, frame, vals, outs)
         return outs, out_infos
 
     def eval_jaxpr(
@@ -152,17 +162,21 @@ class _Walker(Interpreter):
         self._carries.append(
             carry_vars(frame.eqn if frame is not None else None, jaxpr)
         )
+        muted = frame is not None and bool(frame.sub_outs) and _alternatives(frame)
+        self._muted += muted
         try:
             outs, out_infos = super().eval_jaxpr(jaxpr, consts, args, infos)
         finally:
             self._carries.pop()
+            self._muted -= muted
         if frame is not None:
             frame.sub_outs.append((list(jaxpr.outvars), list(outs)))
         return outs, out_infos
 
     def _observe(self, rec: Record) -> None:
         eqn, vals, infos = self._calls[-1]
-        self.observed(rec, vals, infos, self.path(rec.eqn))
+        if not self._muted:
+            self.observed(rec, vals, infos, self.path(rec.eqn))
 
     # Hooks.
     def flags(self, atoms: Sequence[Any]) -> list[bool]:
@@ -182,15 +196,30 @@ class _Walker(Interpreter):
         pass
 
 
+def _alternatives(frame: _Frame) -> bool:
+    """Whether ``frame``'s sub-computations are alternatives (the branches of
+    a ``lax.platform_dependent`` cond)."""
+    eqn = frame.eqn
+    return construct_of(eqn.primitive) == "cond" and bool(branch_platforms(eqn))
+
+
 def _key(path: Sequence[Any], eqn: Any) -> tuple[int, ...]:
     return (*map(id, path), id(eqn))
 
 
 def _ran_in(
-    name: str, operands: Sequence[Any], outs: Sequence[Any], notes: Sequence[str] = ()
+    name: str,
+    operands: Sequence[Any],
+    outs: Sequence[Any],
+    notes: Sequence[str] = (),
+    params: Mapping[str, Any] | None = None,
 ) -> str:
     if any(n.startswith("float8 site") for n in notes):
         return "float8"
+    precision = dot_precision(params) if params is not None else None
+    for dtype, algorithm in DOT_ALGORITHMS.items():
+        if precision == algorithm:  # its operands rounded to 16 bits (F16_F16_F32)
+            return dtype.name
     floats = [dtype_of(v) for v in operands if floating(dtype_of(v))]
     if floats and name != "convert_element_type":
         return max(floats, key=lambda d: np.dtype(d).itemsize).name
@@ -234,7 +263,11 @@ def _num_consts(eqn: Any) -> int:
 
 
 class Census(_Walker):
-    """Records each equation once, with its source and island flag."""
+    """Records each equation once, with its source and island flag; enters the
+    higher-order equations of a region another autocast owns (a gradient's
+    ``jit``, custom derivatives), whose equations it records as traced."""
+
+    enters_owned = True
 
     def __init__(self, dtype: np.dtype, table: Mapping[str, Any], handlers: Any, **kw):
         super().__init__(dtype, table, handlers, **kw)
@@ -330,7 +363,7 @@ class Census(_Walker):
             "eqns": (*path, eqn),
             "name": name,
             "rule": rec.rule,
-            "ran_in": _ran_in(name, rec.operands, rec.outs, rec.notes),
+            "ran_in": _ran_in(name, rec.operands, rec.outs, rec.notes, eqn.params),
             "outs": [(tuple(np.shape(o)), np.dtype(dtype_of(o))) for o in rec.outs],
             "notes": rec.notes,
             "island": island,
