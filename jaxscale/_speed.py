@@ -58,7 +58,19 @@ KERNEL_US = 3.1  # c: the fixed cost of one kernel, microseconds
 
 
 class Format(enum.Enum):
-    """A format a matmul site can run in."""
+    """A format a matmul site can run in (its value names it in words).
+
+    ``FLOAT32`` (on TF32 tensor cores on a GPU, JAX's default precision),
+    ``HALF`` (16 bits: the autocast dtype), ``HALF_WIDE`` (16-bit operands with
+    a float32 result), ``FLOAT8`` (per-tensor scales) and ``FLOAT8_ROWWISE``
+    (per-row scales).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.precision
+      >>> [f.value for f in jxs.precision.Format]
+      ['float32', '16-bit', '16-bit, float32 result', 'float8', 'float8 rowwise']
+    """
 
     FLOAT32 = "float32"
     HALF = "16-bit"
@@ -69,9 +81,17 @@ class Format(enum.Enum):
 
 class DeviceCost(NamedTuple):
     """A device kind's figures for the speed model: dense (not sparse) tensor
-    throughput in bfloat16 and float8, and HBM bandwidth, from the vendor's
-    data sheet. TF32, what a float32 GEMM runs on, is half the bfloat16 figure
-    on every kind listed (the same data sheets)."""
+    throughput in bfloat16 and float8 (TFLOP/s), and HBM bandwidth (TB/s), from
+    the vendor's data sheet. TF32, what a float32 GEMM runs on, is half the
+    bfloat16 figure on every kind listed (the same data sheets).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.precision
+      >>> mine = jxs.precision.DeviceCost("my GPU", 1000.0, 2000.0, 4.0)
+      >>> mine.tf32_tflops
+      500.0
+    """
 
     name: str
     bf16_tflops: float

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import jaxscale as jxs
+import jaxscale.precision  # not imported by ``import jaxscale`` yet
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +36,13 @@ def _documented_names() -> list[str]:
 
 
 def _public_names() -> list[str]:
-    """Every public name of ``jaxscale`` and of its ``diagnostics`` and ``float8``
-    sub-namespaces."""
+    """Every public name of ``jaxscale`` and of its ``diagnostics``, ``float8``
+    and ``precision`` sub-namespaces."""
     return (
         [f"jaxscale.{n}" for n in jxs.__all__]
         + [f"jaxscale.diagnostics.{n}" for n in jxs.diagnostics.__all__]
         + [f"jaxscale.float8.{n}" for n in jxs.float8.__all__]
+        + [f"jaxscale.precision.{n}" for n in jaxscale.precision.__all__]
     )
 
 
@@ -74,7 +76,9 @@ def _readme_commands() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "module", [jxs, jxs.diagnostics, jxs.float8], ids=lambda m: m.__name__
+    "module",
+    [jxs, jxs.diagnostics, jxs.float8, jaxscale.precision],
+    ids=lambda m: m.__name__,
 )
 def test_all_is_sorted(module):
     assert module.__all__ == sorted(module.__all__)

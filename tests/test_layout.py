@@ -160,12 +160,12 @@ def test_no_private_jax_outside_the_adapter():
 
 
 # The package's shape: the core at the top, and each wing in its folder.
-WINGS = {"_autocast", "diagnostics", "float8", "testing"}
+WINGS = {"_autocast", "diagnostics", "float8", "precision", "testing"}
 
 
 def test_the_wings_have_their_folders():
-    """``ls jaxscale/`` shows the core and the wings: no autocast, diagnostics or
-    float8 module lies at the top any more."""
+    """``ls jaxscale/`` shows the core and the wings: no autocast, diagnostics,
+    float8 or precision module lies at the top."""
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == WINGS, folders
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
@@ -174,13 +174,14 @@ def test_the_wings_have_their_folders():
         for m in top
         if m.startswith(("_autocast", "_float8"))
         or m in {"_diagnostics", "_underflow", "_cotangents", "_monitor"}
+        or m in {"_plan", "_solve", "_measure", "_sensor", "_precision"}
     ]
     assert not stray, stray
-    for wing in ("_autocast", "diagnostics", "float8"):
+    for wing in ("_autocast", "diagnostics", "float8", "precision"):
         assert len(list((PACKAGE / wing).glob("*.py"))) >= 4, wing
 
 
-@pytest.mark.parametrize("wing", ["_autocast", "float8", "diagnostics"])
+@pytest.mark.parametrize("wing", ["_autocast", "float8", "diagnostics", "precision"])
 def test_no_mutable_module_globals_in_the_wings(wing):
     """The wings' tables are read-only (``MappingProxyType``, tuples): state
     lives in interpreters and contexts, and what a trace puts in scope lives in a

@@ -1,0 +1,38 @@
+"""Adaptive precision: each matmul site in the cheapest format that keeps the
+model where float32 is (issue 41). In progress.
+
+A sensor measures, per site and per format, an error score on calibration
+batches (:class:`SiteMeasure`); the speed model predicts per site and per format
+the time (``jaxscale/_speed.py``); :func:`solve` chooses, exactly, the fastest
+:class:`Plan` whose total error is within a budget. A plan is a readable,
+editable value: ``print(plan)``, :meth:`Plan.replace`, :meth:`Plan.to_json`.
+The sensor, and applying a plan to :func:`jaxscale.autocast`, are to come.
+
+``import jaxscale`` does not import this namespace yet: ``import
+jaxscale.precision``. ``docs/precision.md`` is the guide.
+
+Examples:
+    >>> import jaxscale as jxs
+    >>> import jaxscale.precision
+    >>> F = jxs.precision.Format
+    >>> m = jxs.precision.SiteMeasure(
+    ...     "mlp", (16384, 4096, 28672), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 1e-4})
+    >>> jxs.precision.solve([m], cost="H100", budget="16-bit").formats()
+    {'mlp': <Format.FLOAT8: 'float8'>}
+"""
+
+from jaxscale._speed import DeviceCost as DeviceCost
+from jaxscale._speed import Format as Format
+from jaxscale.precision._measure import SiteMeasure as SiteMeasure
+from jaxscale.precision._plan import Plan as Plan
+from jaxscale.precision._plan import SitePlan as SitePlan
+from jaxscale.precision._solve import solve as solve
+
+__all__ = [
+    "DeviceCost",
+    "Format",
+    "Plan",
+    "SiteMeasure",
+    "SitePlan",
+    "solve",
+]

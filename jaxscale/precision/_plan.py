@@ -1,0 +1,421 @@
+"""A precision plan: one format per matmul site, with what it costs and why.
+
+:class:`Plan` is what :func:`~jaxscale.precision.solve` chose from the sites'
+:class:`~jaxscale.precision.SiteMeasure`, one :class:`SitePlan` per site, with
+the speed model's predicted times (:mod:`jaxscale._speed`). A plan is a value:
+frozen and hashable (an unchanged plan is an unchanged static argument, so it
+hits JAX's compilation cache), printable as a table, saved and loaded as JSON,
+and edited with :meth:`Plan.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from jaxscale._speed import DeviceCost, Format
+from jaxscale.precision._measure import FORMATS, SiteMeasure, in_order, number, score
+
+__all__ = ["Plan", "SitePlan", "site_plan", "solver_why"]
+
+_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 1
+
+
+def _time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+@dataclasses.dataclass(frozen=True)
+class SitePlan:
+    """One site of a :class:`Plan`: the format chosen for it, and why.
+
+    Attributes:
+      site: the site's name-stack path.
+      shape: ``(m, k, n)``.
+      format: the :class:`~jaxscale.precision.Format` it runs in.
+      error: the error score measured in that format.
+      seconds: the speed model's predicted seconds in that format (the three
+        products and the passes the format adds).
+      half_seconds: the predicted seconds of the same site in 16 bits, what
+        ``why`` compares with.
+      why: the reason, in words: ``"float8: 0.71x the 16-bit time, error
+        2.1e-4 within the budget"``, or that the user chose it.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.precision
+      >>> F = jxs.precision.Format
+      >>> m = jxs.precision.SiteMeasure(
+      ...     "mlp", (16384, 4096, 28672), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 2e-3})
+      >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-2)
+      >>> s = plan.sites[0]
+      >>> s.format, s.error, round(s.seconds / s.half_seconds, 2)
+      (<Format.FLOAT8: 'float8'>, 0.002, 0.82)
+    """
+
+    site: str
+    shape: tuple[int, int, int]
+    format: Format
+    error: float
+    seconds: float
+    half_seconds: float
+    why: str
+
+
+def site_plan(m: SiteMeasure, fmt: Format, cost: DeviceCost, why: str) -> SitePlan:
+    """The :class:`SitePlan` of site ``m`` in ``fmt``."""
+    half = m.seconds(Format.HALF, cost)
+    return SitePlan(
+        m.site, m.shape, fmt, m.errors[fmt], m.seconds(fmt, cost), half, why
+    )
+
+
+def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+    """``float8 (0.71x, error 2.1e-3)``, with the sensor's note if it has one."""
+    ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
+    note = f", {m.notes[fmt]}" if fmt in m.notes else ""
+    return f"{fmt.value} ({ratio:.2f}x, error {number(m.errors[fmt])}{note})"
+
+
+def solver_why(
+    m: SiteMeasure, fmt: Format, cost: DeviceCost, faster: list[Format]
+) -> str:
+    """Why the solver chose ``fmt`` at site ``m``; ``faster`` lists the allowed,
+    measured formats that were faster there (to the picosecond). Alone, each
+    finite one would have taken the plan over the budget: with it the plan
+    would be faster, so the solver would have taken it."""
+    ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
+    why = f"{fmt.value}: {ratio:.2f}x the 16-bit time, error "
+    why += f"{number(m.errors[fmt])} within the budget"
+    over = [_describe(m, f, cost) for f in faster if math.isfinite(m.errors[f])]
+    fails = [_describe(m, f, cost) for f in faster if not math.isfinite(m.errors[f])]
+    if over:
+        why += f"; {' or '.join(over)} here would take the plan over it"
+    if fails:
+        why += f"; {' and '.join(fails)} fail{'s' if len(fails) == 1 else ''} here"
+    return why
+
+
+def _user_why(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+    ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
+    return (
+        f"{fmt.value}: chosen by the user; {ratio:.2f}x the 16-bit time, error "
+        f"{number(m.errors[fmt])}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One format per matmul site: the fastest the speed model predicts within
+    an error budget, as :func:`~jaxscale.precision.solve` chose it.
+
+    A plan is frozen and hashable. ``print(plan)`` gives a table;
+    :meth:`to_json` and :meth:`from_json` save and load it exactly;
+    :meth:`formats` gives ``{site: Format}``; :meth:`replace` edits one site.
+
+    Attributes:
+      sites: one :class:`SitePlan` per site, in the order of the measures.
+      measures: the :class:`SiteMeasure` of each site, in the same order (what
+        :meth:`replace` reads).
+      budget: the error budget the plan was solved for.
+      device: the device kind whose figures the times are predicted with.
+      cost: those figures (a ``DeviceCost``).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jaxscale.precision
+      >>> F = jxs.precision.Format
+      >>> measures = [
+      ...     jxs.precision.SiteMeasure(
+      ...         "qkv", (16384, 4096, 6144), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 3e-3}),
+      ...     jxs.precision.SiteMeasure(
+      ...         "mlp", (16384, 4096, 28672), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 1e-3}),
+      ... ]
+      >>> plan = jxs.precision.solve(measures, cost="H100", budget=2e-3)
+      >>> plan.formats()
+      {'qkv': <Format.HALF: '16-bit'>, 'mlp': <Format.FLOAT8: 'float8'>}
+      >>> round(plan.error, 6), plan.within_budget
+      (0.0011, True)
+      >>> edited = plan.replace("qkv", F.FLOAT8)
+      >>> edited.sites[0].why.startswith("float8: chosen by the user")
+      True
+      >>> edited.within_budget
+      False
+      >>> jxs.precision.Plan.from_json(plan.to_json()) == plan
+      True
+    """
+
+    sites: tuple[SitePlan, ...]
+    measures: tuple[SiteMeasure, ...]
+    budget: float
+    device: str
+    cost: DeviceCost
+
+    def __post_init__(self):
+        names = [s.site for s in self.sites]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(
+                f"`sites` must name at least one site, each once, got {names}."
+            )
+        if names != [m.site for m in self.measures]:
+            raise ValueError(
+                "`sites` and `measures` must name the same sites in the same "
+                f"order, got {names} and {[m.site for m in self.measures]}."
+            )
+
+    # ----------------------------------------------------------------- totals
+
+    @property
+    def seconds(self) -> float:
+        """The predicted seconds of every site in its format."""
+        return math.fsum(s.seconds for s in self.sites)
+
+    @property
+    def half_seconds(self) -> float:
+        """The predicted seconds of every site in 16 bits."""
+        return math.fsum(s.half_seconds for s in self.sites)
+
+    @property
+    def error(self) -> float:
+        """The sum of the sites' error scores, added in site order (as
+        :func:`~jaxscale.precision.solve` adds them against the budget)."""
+        return in_order(s.error for s in self.sites)
+
+    @property
+    def within_budget(self) -> bool:
+        """Whether :attr:`error` is within :attr:`budget` (an edit may not be)."""
+        return self.error <= self.budget
+
+    def formats(self) -> dict[str, Format]:
+        """``{site: Format}``, in site order."""
+        return {s.site: s.format for s in self.sites}
+
+    # ------------------------------------------------------------------ edits
+
+    def replace(self, site: str, fmt: Format) -> Plan:
+        """A copy of this plan with ``site`` in ``fmt``: the user's choice.
+
+        The site's time, error and ``why`` ("chosen by the user") are
+        recomputed, and so are the totals; the budget stays, and the edited plan
+        may exceed it (:attr:`within_budget` says so, and so does ``print``).
+
+        Args:
+          site: a site of the plan, by its name-stack path.
+          fmt: a :class:`~jaxscale.precision.Format` measured at that site with
+            a finite error.
+
+        Returns:
+          The edited :class:`Plan`.
+
+        Raises:
+          TypeError: if ``fmt`` is not a ``Format``.
+          ValueError: if the plan has no such site, or ``fmt`` was not measured
+            there or its range fails there (error ``inf``).
+        """
+        where = {s.site: i for i, s in enumerate(self.sites)}
+        if site not in where:
+            raise ValueError(
+                f"`site` must be a site of the plan, got {site!r}; its sites are "
+                f"{list(where)}."
+            )
+        if not isinstance(fmt, Format):
+            raise TypeError(
+                f"`fmt` must be a Format ({FORMATS}), got {type(fmt).__name__} {fmt!r}."
+            )
+        m = self.measures[where[site]]
+        if fmt not in m.errors:
+            raise ValueError(
+                f"`fmt` must be a format measured at site {site!r} (one of "
+                f"{', '.join(str(f) for f in m.errors)}), got {fmt}: its error "
+                "is unknown. Measure it first."
+            )
+        if not math.isfinite(m.errors[fmt]):
+            note = f" ({m.notes[fmt]})" if fmt in m.notes else ""
+            raise ValueError(
+                f"`fmt` {fmt} fails at site {site!r}: its error is inf{note}. "
+                "Choose a format whose range holds there."
+            )
+        sites = list(self.sites)
+        sites[where[site]] = site_plan(m, fmt, self.cost, _user_why(m, fmt, self.cost))
+        return dataclasses.replace(self, sites=tuple(sites))
+
+    # ------------------------------------------------------------------- text
+
+    def __str__(self) -> str:
+        state = "within" if self.within_budget else "OVER"
+        lines = [
+            f"precision plan: {len(self.sites)} sites on {self.device}",
+            f"  predicted {_time(self.seconds)}: "
+            f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
+            f"({_time(self.half_seconds)})",
+            f"  error {number(self.error)}, {state} the budget {number(self.budget)}",
+            "",
+        ]
+        rows = [["site", "m x k x n", "format", "time", "error", "why"]]
+        for s in self.sites:
+            rows.append(
+                [
+                    s.site,
+                    " x ".join(map(str, s.shape)),
+                    s.format.value,
+                    _time(s.seconds),
+                    number(s.error),
+                    s.why,
+                ]
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            cells = [
+                c.rjust(w) if i in (3, 4) else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ]
+            lines.append(("  " + "  ".join(cells)).rstrip())
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------- JSON
+
+    def to_json(self) -> str:
+        """The plan as JSON text (``inf`` written as the string ``"inf"``):
+        :meth:`from_json` reads it back equal to this plan."""
+        sites = []
+        for s, m in zip(self.sites, self.measures, strict=True):
+            sites.append(
+                {
+                    "site": s.site,
+                    "shape": list(s.shape),
+                    "operand_bytes": list(m.operand_bytes),
+                    "errors": {f.value: _out(e) for f, e in m.errors.items()},
+                    "notes": {f.value: n for f, n in m.notes.items()},
+                    "format": s.format.value,
+                    "seconds": s.seconds,
+                    "half_seconds": s.half_seconds,
+                    "why": s.why,
+                }
+            )
+        doc = {
+            "kind": _JSON_KIND,
+            "version": _JSON_VERSION,
+            "device": self.device,
+            "cost": self.cost._asdict(),
+            "budget": _out(self.budget),
+            "sites": sites,
+        }
+        return json.dumps(doc, indent=1, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan :meth:`to_json` wrote.
+
+        Args:
+          text: JSON text.
+
+        Returns:
+          The :class:`Plan`, equal to the one saved.
+
+        Raises:
+          ValueError: if ``text`` is not JSON, is not a plan, has a version this
+            jaxscale does not read, or lacks or adds a field.
+        """
+        try:
+            doc = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"`text` must be a plan's JSON text: {err}.") from None
+        if not isinstance(doc, dict) or doc.get("kind") != _JSON_KIND:
+            kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(
+                f"`text` must be the JSON of a {_JSON_KIND} (`Plan.to_json`), got "
+                f"kind {kind!r}."
+            )
+        if doc.get("version") != _JSON_VERSION:
+            raise ValueError(
+                f"`text`: this jaxscale reads plans of version {_JSON_VERSION}, got "
+                f"version {doc.get('version')!r}: load it with the jaxscale that "
+                "wrote it, or solve the plan again."
+            )
+        try:
+            _fields("the plan", doc, _PLAN_FIELDS)
+            _fields("`cost`", doc["cost"], set(DeviceCost._fields))
+            name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
+            cost = DeviceCost(_text("`cost.name`", name), *map(_real, figures))
+            if not isinstance(doc["sites"], list):
+                raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
+            sites, measures = [], []
+            for entry in doc["sites"]:
+                _fields("a site", entry, _SITE_FIELDS)
+                errors = {Format(f): _in(e) for f, e in entry["errors"].items()}
+                notes = {Format(f): n for f, n in entry["notes"].items()}
+                m = SiteMeasure(
+                    entry["site"],
+                    tuple(entry["shape"]),
+                    tuple(entry["operand_bytes"]),
+                    errors,
+                    notes,
+                )
+                fmt = Format(entry["format"])
+                if fmt not in m.errors:
+                    raise ValueError(
+                        f"site {m.site!r} is planned in {fmt}, which it has no "
+                        "error for."
+                    )
+                seconds = _real(entry["seconds"]), _real(entry["half_seconds"])
+                why = _text("`why`", entry["why"])
+                sites.append(
+                    SitePlan(m.site, m.shape, fmt, m.errors[fmt], *seconds, why)
+                )
+                measures.append(m)
+            device = _text("`device`", doc["device"])
+            return cls(tuple(sites), tuple(measures), _in(doc["budget"]), device, cost)
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"`text` is not a valid plan: {err}") from None
+
+
+_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"})
+_SITE_FIELDS = frozenset(
+    {
+        "site",
+        "shape",
+        "operand_bytes",
+        "errors",
+        "notes",
+        "format",
+        "seconds",
+        "half_seconds",
+        "why",
+    }
+)
+
+
+def _fields(what: str, doc: Any, expected: frozenset[str] | set[str]) -> None:
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} must be a JSON object, got {doc!r}.")
+    missing, unknown = sorted(expected - set(doc)), sorted(set(doc) - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"{what} must have the fields {sorted(expected)}; missing {missing}, "
+            f"unknown {unknown}."
+        )
+
+
+def _real(x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise ValueError(f"a time or figure must be a number, got {x!r}.")
+    return float(x)
+
+
+def _text(what: str, x: Any) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"{what} must be a string, got {x!r}.")
+    return x
+
+
+def _out(x: float) -> float | str:
+    return "inf" if x == math.inf else x
+
+
+def _in(x: Any) -> float:
+    return math.inf if x == "inf" else score("an error score or budget", x)
