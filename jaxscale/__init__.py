@@ -9,6 +9,7 @@ import importlib.metadata
 
 from jaxscale import diagnostics as diagnostics
 from jaxscale import float8 as float8
+from jaxscale import precision as precision
 from jaxscale._accumulate import AccumulateState as AccumulateState
 from jaxscale._accumulate import accumulate as accumulate
 from jaxscale._accumulate import (
@@ -42,6 +43,7 @@ from jaxscale._transform import dynamic_scaling as dynamic_scaling
 from jaxscale._tree import all_finite as all_finite
 from jaxscale._tree import select_tree as select_tree
 from jaxscale._validate import validate_state as validate_state
+from jaxscale.precision import plan_precision as plan_precision
 
 try:
     __version__ = importlib.metadata.version("jaxscale")
@@ -72,6 +74,7 @@ __all__ = [
     "from_torch_state_dict",
     "global_norm",
     "loss_scale_of",
+    "plan_precision",
     "reduce_gradients",
     "reduce_mean",
     "reduce_state_specs",

@@ -18,6 +18,7 @@ import pytest
 
 import jaxscale.precision as jxp
 from jaxscale._speed import device_cost, site_seconds
+from jaxscale.precision._measure import in_order
 
 pytestmark = [pytest.mark.unit]
 
@@ -305,9 +306,14 @@ def test_the_16_bit_budget_needs_every_site_measured_in_16_bits():
         jxp.solve(
             [site("a"), site("b", errors={F.FLOAT32: 0.0})], cost=H100, budget="16-bit"
         )
-    inf = site("c", errors={F.FLOAT32: 0.0, F.HALF: math.inf})
+    inf = site("c", errors={F.HALF: math.inf})
     with pytest.raises(ValueError, match=r"site 'c' fails in 16 bits"):
         jxp.solve([inf], cost=H100, budget="16-bit")
+    # Where 16 bits fails, the budget counts the nearest more precise format.
+    wide = site("d", errors={F.FLOAT32: 0.0, F.HALF_WIDE: 2e-4, F.HALF: math.inf})
+    plan = jxp.solve([wide, site("a")], cost=H100, budget="16-bit")
+    assert plan.budget == in_order([2e-4, site("a").errors[F.HALF]])
+    assert plan.formats()["d"] in (F.HALF_WIDE, F.FLOAT32)
     with pytest.raises(
         ValueError,
         match=r"`budget` must be a number or one of \['16-bit', 'bfloat16'\].*'fp8'",

@@ -33,7 +33,7 @@ from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
 
-__all__ = ["autocast", "check_dtype", "interpret", "names_dot", "plan"]
+__all__ = ["autocast", "check_dtype", "interpret", "names_dot", "resolve"]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
 _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
@@ -79,6 +79,7 @@ def autocast(
     cast_outputs: bool = True,
     float8: Any = None,
     gradient_dtype: Any = None,
+    plan: Any = None,
 ) -> Callable[..., Any]:
     """Runs ``fun`` in mixed precision with per-operation dtypes, as torch.autocast.
 
@@ -184,14 +185,22 @@ def autocast(
         ``add``, ``sub`` or ``mul`` (a bias, a norm's scale): its gradient is
         summed in float32. Forward and activation gradients are the same
         either way; convolution kernels' gradients stay in ``dtype``.
+      plan: a :class:`jaxscale.precision.Plan` (``docs/precision.md``): each
+        matmul site (a ``dot_general`` without batch dimensions) runs in the
+        plan's format for it: float32, ``dtype``, ``dtype`` with a float32
+        result, or float8 with current scaling per tensor or per row. Sites
+        are named by name stack (``#1``, ``#2`` for repeats); a site the plan
+        does not name, or a name the function never meets, raises. Not with
+        ``float8``. ``None`` (default): no plan.
 
     Returns:
       A function with ``fun``'s signature and output structure.
 
     Raises:
       ValueError: if ``dtype`` is not float16, bfloat16 or float32 (float8 is
-        not supported yet), a rule is unknown (see :func:`autocast_rules`), or
-        ``gradient_dtype`` is neither float32 nor ``dtype``.
+        not supported yet), a rule is unknown (see :func:`autocast_rules`),
+        ``gradient_dtype`` is neither float32 nor ``dtype``, or both ``plan``
+        and ``float8`` are given.
       TypeError: if ``fun`` is not callable, ``enabled`` or ``cast_outputs`` is
         not a bool, or ``rules`` is not a mapping.
 
@@ -243,7 +252,8 @@ def autocast(
       >>> [s.dtype for s in scores(x, x)]
       [dtype('float32'), dtype('float16')]
     """
-    dt, table, classes, plugin = plan(dtype, rules, float8)
+    float8 = _with_plan(plan, float8)
+    dt, table, classes, plugin = resolve(dtype, rules, float8)
     wide = gradient_policy(gradient_dtype, dt)
     for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
         if not isinstance(flag, bool | np.bool_):
@@ -286,7 +296,28 @@ def autocast(
     return wrapper
 
 
-def plan(
+def _with_plan(plan: Any, float8: Any) -> Any:
+    """``float8=``, or the rule of ``plan=`` (a :class:`PluginRule`, or an
+    object whose ``autocast_rule()`` gives one: a
+    :class:`jaxscale.precision.Plan`)."""
+    if plan is None:
+        return float8
+    if float8 is not None and float8 is not False:
+        raise ValueError(
+            "`plan` and `float8`: a plan sets each matmul site's format, float8 "
+            f"included; pass one of them, got plan={plan!r} and float8={float8!r}."
+        )
+    make = getattr(plan, "autocast_rule", None)
+    rule = make() if callable(make) and not isinstance(plan, type) else plan
+    if not isinstance(rule, PluginRule):
+        raise TypeError(
+            "`plan` must be a `jxs.precision.Plan` (from `jxs.plan_precision` or "
+            f"`jxs.precision.solve`), got {type(plan).__name__}."
+        )
+    return rule
+
+
+def resolve(
     dtype: Any, rules: Mapping[Any, Any] | None, float8: Any
 ) -> tuple[np.dtype, dict[str, AutocastRule], Mapping[AutocastRule, RuleClass], Any]:
     """``autocast``'s arguments checked and resolved: the dtype, the table, the

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast.classes import WIDE_NOTE
-from jaxscale._autocast.entry import interpret, plan
+from jaxscale._autocast.entry import interpret, resolve
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import floating
@@ -411,7 +411,7 @@ def autocast_report(
             "`jxs.diagnostics.autocast_report(fun, dtype)(*args)` reports what "
             "`jxs.autocast(fun, dtype)(*args)` does."
         )
-    dt, table, classes, plugin = plan(dtype, rules, float8)
+    dt, table, classes, plugin = resolve(dtype, rules, float8)
     if plugin is not None:  # outside a train step: no state (delayed: current)
         plugin = plugin.for_report()
         classes = {**classes, AutocastRule.FLOAT8: plugin}

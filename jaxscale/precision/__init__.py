@@ -1,15 +1,14 @@
 """Adaptive precision: each matmul site in the cheapest format that keeps the
-model where float32 is (issue 41). In progress.
+model where float32 is.
 
-A sensor measures, per site and per format, an error score on calibration
-batches (:class:`SiteMeasure`); the speed model predicts per site and per format
-the time (``jaxscale/_speed.py``); :func:`solve` chooses, exactly, the fastest
-:class:`Plan` whose total error is within a budget. A plan is a readable,
-editable value: ``print(plan)``, :meth:`Plan.replace`, :meth:`Plan.to_json`.
-The sensor, and applying a plan to :func:`jaxscale.autocast`, are to come.
-
-``import jaxscale`` does not import this namespace yet: ``import
-jaxscale.precision``. ``docs/precision.md`` is the guide.
+A :class:`Sensor` measures, per site and per format, an error score on
+calibration batches (:class:`SiteMeasure`); the speed model predicts per site
+and per format the time (``jaxscale/_speed.py``); :func:`solve` chooses,
+exactly, the fastest :class:`Plan` whose total error is within a budget;
+:func:`plan_precision` (also ``jxs.plan_precision``) does all three, and
+``jxs.autocast(f, dtype, plan=plan)`` runs it. A plan is a readable, editable
+value: ``print(plan)``, :meth:`Plan.replace`, :meth:`Plan.to_json`.
+``docs/precision.md`` is the guide.
 
 Examples:
     >>> import jaxscale as jxs
@@ -23,6 +22,8 @@ Examples:
 
 from jaxscale._speed import DeviceCost as DeviceCost
 from jaxscale._speed import Format as Format
+from jaxscale.precision._calibrate import Sensor as Sensor
+from jaxscale.precision._calibrate import plan_precision as plan_precision
 from jaxscale.precision._measure import SiteMeasure as SiteMeasure
 from jaxscale.precision._plan import Plan as Plan
 from jaxscale.precision._plan import SitePlan as SitePlan
@@ -32,7 +33,9 @@ __all__ = [
     "DeviceCost",
     "Format",
     "Plan",
+    "Sensor",
     "SiteMeasure",
     "SitePlan",
+    "plan_precision",
     "solve",
 ]

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from jaxscale._speed import DeviceCost, Format
+from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._measure import FORMATS, SiteMeasure, in_order, number, score
 
 __all__ = ["Plan", "SitePlan", "site_plan", "solver_why"]
@@ -194,6 +195,12 @@ class Plan:
     def formats(self) -> dict[str, Format]:
         """``{site: Format}``, in site order."""
         return {s.site: s.format for s in self.sites}
+
+    def autocast_rule(self) -> PlanRule:
+        """The autocast rule that runs each site in its format: what
+        ``jxs.autocast(f, dtype, plan=plan)`` calls this for."""
+        formats = tuple((s.site, s.format) for s in self.sites)
+        return PlanRule(formats, f"the plan ({len(formats)} sites)")
 
     # ------------------------------------------------------------------ edits
 

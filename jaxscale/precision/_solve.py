@@ -45,7 +45,7 @@ from jaxscale._speed import DeviceCost, Format, device_cost
 from jaxscale.precision._measure import PRECISION, SiteMeasure, in_order, number
 from jaxscale.precision._plan import Plan, site_plan, solver_why
 
-__all__ = ["feasible_time", "frontier", "picoseconds", "solve"]
+__all__ = ["feasible_time", "frontier", "half_error", "picoseconds", "solve"]
 
 _BUDGETS = ("16-bit", "bfloat16")  # the sum of the 16-bit errors
 _MARGIN = 1e-9  # the bounds' relative margin for float rounding
@@ -109,6 +109,27 @@ def _check_allowed(allowed: Any) -> frozenset[Format]:
     return allowed
 
 
+def half_error(m: SiteMeasure, budget: str = "16-bit") -> float:
+    """What site ``m`` adds to the budget ``"16-bit"``: its 16-bit error; where
+    16 bits fails (``inf``: float16 overflows there), the error of the nearest
+    more precise format measured (16-bit with a float32 result, then float32),
+    since the 16-bit model would have to run that site so."""
+    if Format.HALF not in m.errors:
+        raise ValueError(
+            f"`budget={budget!r}` is the sum of the sites' 16-bit errors, but site "
+            f"{m.site!r} has no 16-bit error. Measure it in 16 bits, or give the "
+            "budget as a number."
+        )
+    for fmt in (Format.HALF, Format.HALF_WIDE, Format.FLOAT32):
+        if fmt in m.errors and not math.isinf(m.errors[fmt]):
+            return m.errors[fmt]
+    raise ValueError(
+        f"`budget={budget!r}` is the sum of the sites' 16-bit errors, but site "
+        f"{m.site!r} fails in 16 bits (error inf) and in every more precise format "
+        "measured. Give the budget as a number."
+    )
+
+
 def _check_budget(budget: Any, measures: tuple[SiteMeasure, ...]) -> float:
     if isinstance(budget, str):
         if budget not in _BUDGETS:
@@ -116,19 +137,7 @@ def _check_budget(budget: Any, measures: tuple[SiteMeasure, ...]) -> float:
                 f"`budget` must be a number or one of {list(_BUDGETS)} (the sum of "
                 f"the 16-bit errors), got {budget!r}."
             )
-        for m in measures:
-            if Format.HALF not in m.errors or math.isinf(m.errors[Format.HALF]):
-                state = (
-                    "has no 16-bit error"
-                    if Format.HALF not in m.errors
-                    else ("fails in 16 bits (error inf)")
-                )
-                raise ValueError(
-                    f"`budget={budget!r}` is the sum of the sites' 16-bit errors, "
-                    f"but site {m.site!r} {state}. Measure it in 16 bits, or give "
-                    "the budget as a number."
-                )
-        return in_order(m.errors[Format.HALF] for m in measures)
+        return in_order(half_error(m, budget) for m in measures)
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise TypeError(
             f"`budget` must be a number or one of {list(_BUDGETS)}, got "

@@ -1,0 +1,308 @@
+"""Calibration: :class:`Sensor` runs the sensor on batches and turns its sums
+into :class:`~jaxscale.precision.SiteMeasure` scores; :func:`plan_precision`
+measures and solves in one call."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale._autocast.entry import autocast, check_dtype
+from jaxscale._speed import DeviceCost, Format, current_device
+from jaxscale.precision._measure import PRECISION, SiteMeasure, number
+from jaxscale.precision._plan import Plan
+from jaxscale.precision._sensor import (
+    FIELDS,
+    REFERENCE,
+    SESSION,
+    WIDTH,
+    SensorRule,
+    Session,
+)
+from jaxscale.precision._solve import solve
+
+__all__ = ["Sensor", "plan_precision"]
+
+_F32 = np.dtype("float32")
+
+
+def _loss_scale(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise TypeError(
+            "`loss_scale` must be a number (the loss scale the model trains with, "
+            f"e.g. 2.0**15 for float16), got {type(value).__name__} {value!r}."
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`loss_scale` must be finite and positive, got {value!r}.")
+    return float(value)
+
+
+class Sensor:
+    """Measures, per matmul site of ``fun`` and per format, the error each
+    format would add, on calibration batches.
+
+    ``fun`` takes arrays and returns a scalar loss, written in float32 (as for
+    :func:`jaxscale.autocast`). Each :meth:`update` runs one jitted forward and
+    backward pass of ``fun`` in float32 (the reference), and at each site
+    (a ``dot_general`` without batch dimensions: what
+    ``jxs.autocast(fun, dtype, plan=...)`` runs per format) computes the site's
+    three products again in each :class:`~jaxscale.precision.Format` from the
+    same operands, with the gradient scaled by ``loss_scale`` and cast as that
+    format would take it. :meth:`measures` gives the scores
+    (``docs/precision.md``, "What the sensor measures"):
+
+    - ``fisher``: ``sum((g * dy)**2)``, the variance the format's output error
+      ``dy`` adds to the loss to first order (``g``: the site's gradient), and
+      ``grad``: the relative squared error of its backward products; the score
+      is ``fisher / F + grad / G``, ``F`` and ``G`` their sums over the sites in
+      16 bits, so the model in 16 bits scores 2;
+    - ``inf`` where the format's range fails on a batch: an output that
+      overflows, an operand it cannot hold, a scaled gradient that overflows.
+
+    Sites are named as ``jxs.autocast(..., plan=)`` names them: by name stack,
+    ``#1``, ``#2`` for repeats, a scanned layer once.
+
+    Args:
+      fun: the loss function.
+      dtype: the autocast dtype the plan will run in (bfloat16 or float16): the
+        format ``Format.HALF`` is.
+      loss_scale: the loss scale the model trains with (the backward's
+        gradients are measured scaled by it; 1.0 for bfloat16).
+      rules: the ``rules`` of :func:`jaxscale.autocast`, if the plan will run
+        with some.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxscale.precision
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+      >>> p = {"w1": jax.random.normal(k1, (16, 32)),
+      ...      "w2": jax.random.normal(k2, (32, 4))}
+      >>> sensor = jxs.precision.Sensor(loss, jnp.bfloat16)
+      >>> sensor.update(p, jax.random.normal(k3, (8, 16))).batches
+      1
+      >>> [m.site for m in sensor.measures()]
+      ['(top level)', '(top level)#1']
+      >>> F = jxs.precision.Format
+      >>> all(m.errors[F.FLOAT8] > m.errors[F.HALF] for m in sensor.measures())
+      True
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        dtype: Any = jnp.bfloat16,
+        *,
+        loss_scale: float = 1.0,
+        rules: Any = None,
+    ):
+        if not callable(fun):
+            raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+        self.dtype = check_dtype(dtype)
+        if self.dtype == _F32:
+            raise ValueError(
+                "`dtype` must be bfloat16 or float16 (the 16-bit dtype the plan "
+                "runs in), got float32."
+            )
+        self.loss_scale = _loss_scale(loss_scale)
+        self._run = autocast(
+            fun, self.dtype, rules=rules, plan=SensorRule(loss_scale=self.loss_scale)
+        )
+        self._sites: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
+        self._order: list[str] = []
+        self._sums: np.ndarray | None = None
+        self.batches = 0
+        self._step = jax.jit(self._probe_grads)
+
+    def _loss(self, probes: Any, args: tuple, kwargs: dict) -> Any:
+        with SESSION.push(Session(probes)):
+            out = self._run(*args, **kwargs)
+        if not (
+            hasattr(out, "shape")
+            and jnp.shape(out) == ()
+            and jnp.issubdtype(out.dtype, jnp.floating)
+        ):
+            got = jax.typeof(out) if hasattr(out, "shape") else type(out).__name__
+            raise TypeError(
+                "`fun` must return a scalar floating loss (the sensor "
+                f"differentiates it), got {got}."
+            )
+        return out.astype(_F32)
+
+    def _probe_grads(self, probes: Any, args: tuple, kwargs: dict) -> Any:
+        return jax.grad(self._loss)(probes, args, kwargs)
+
+    def _count(self, args: tuple, kwargs: dict) -> None:
+        session = Session()
+        with SESSION.push(session):
+            jax.eval_shape(lambda a, k: self._run(*a, **k), args, kwargs)
+        if not session.order:
+            raise ValueError(
+                "`fun` has no matmul site (a `dot_general` without batch "
+                "dimensions, outside custom-derivative rules and `shard_map`): "
+                "there is nothing to plan."
+            )
+        self._sites, self._order = session.sites, session.order
+
+    def update(self, *args: Any, **kwargs: Any) -> Sensor:
+        """Measures one calibration batch (``fun(*args, **kwargs)``); returns
+        the sensor. The first call traces ``fun`` to find its sites; later
+        calls must have the same sites."""
+        if not self._order:
+            self._count(args, kwargs)
+        probes = tuple(jnp.zeros(WIDTH, _F32) for _ in self._order)
+        grads = self._step(probes, args, kwargs)
+        sums = np.stack([np.asarray(g, np.float64) for g in grads])
+        self._sums = sums if self._sums is None else self._sums + sums
+        self.batches += 1
+        return self
+
+    def stats(self) -> dict[str, dict[Any, dict[str, float]]]:
+        """The raw sums per site, per format (and ``"reference"``), per field,
+        averaged over the batches: ``linear`` is the first-order change of
+        the loss, ``sum(g * dy)``; see :data:`~jaxscale.precision._sensor.FIELDS`."""
+        if self._sums is None:
+            raise ValueError("the sensor has measured no batch: call `update` first.")
+        mean = self._sums / self.batches
+        nf = len(FIELDS)
+        out = {}
+        for i, name in enumerate(self._order):
+            row: dict[Any, dict[str, float]] = {
+                f: dict(zip(FIELDS, mean[i, j * nf : (j + 1) * nf], strict=True))
+                for j, f in enumerate(PRECISION)
+            }
+            row["reference"] = dict(
+                zip(REFERENCE, mean[i, len(PRECISION) * nf :], strict=True)
+            )
+            out[name] = row
+        return out
+
+    def measures(self) -> tuple[SiteMeasure, ...]:
+        """One :class:`~jaxscale.precision.SiteMeasure` per site, in order."""
+        stats = self.stats()
+        fisher, grad, notes = {}, {}, {}
+        for name, row in stats.items():
+            ref = row["reference"]
+            for f in PRECISION:
+                s = row[f]
+                fisher[name, f] = s["fisher"]
+                grad[name, f] = sum(
+                    s[k] / ref[k + "_ref"] for k in ("dx", "dw") if ref[k + "_ref"] > 0
+                )
+                notes[name, f] = _trouble(s, ref, f, self.dtype, self.loss_scale)
+        half = [n for n in stats if not notes[n, Format.HALF][0]]
+        big_f = math.fsum(fisher[n, Format.HALF] for n in half)
+        big_g = math.fsum(grad[n, Format.HALF] for n in half)
+        out = []
+        for name in self._order:
+            errors, words = {}, {}
+            for f in PRECISION:
+                failed, note = notes[name, f]
+                e = (fisher[name, f] / big_f if big_f > 0 else 0.0) + (
+                    grad[name, f] / big_g if big_g > 0 else 0.0
+                )
+                errors[f] = math.inf if failed else e
+                if note:
+                    words[f] = note
+            mkn, nbytes = self._sites[name]
+            out.append(SiteMeasure(name, mkn, nbytes, errors, words))
+        return tuple(out)
+
+    def plan(
+        self,
+        *,
+        budget: float | str = "16-bit",
+        allowed: Iterable[Format] | None = None,
+        cost: DeviceCost | str | None = None,
+    ) -> Plan:
+        """:func:`~jaxscale.precision.solve` on :meth:`measures`; ``cost``
+        ``None`` is the device JAX runs on (the H100 SXM's figures for a kind
+        the speed model does not know, the CPU included)."""
+        if cost is None:
+            cost = current_device(None)[0]
+        return solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
+
+
+def _trouble(s: dict, ref: dict, fmt: Format, dtype: np.dtype, scale: float):
+    """``(failed, note)`` for one site in one format."""
+    name = "float8" if fmt in (Format.FLOAT8, Format.FLOAT8_ROWWISE) else dtype.name
+    words = []
+    if s["overflow"] > 0:
+        words.append(f"{number(s['overflow'])} outputs overflow {name}")
+    if s["range"] > 0:
+        words.append(f"{number(s['range'])} operands beyond {name}'s range")
+    if s["grad_overflow"] > 0:
+        words.append(
+            f"{number(s['grad_overflow'])} gradients overflow at loss scale "
+            f"{number(scale)}"
+        )
+    failed = bool(words)
+    if s["flush"] > 0 and ref["grads"] > 0:
+        share = s["flush"] / ref["grads"]
+        words.append(f"{share:.1%} of the gradient flushes to zero in {name}")
+    return failed, "; ".join(words)
+
+
+def plan_precision(
+    fun: Callable[..., Any],
+    dtype: Any = jnp.bfloat16,
+    *,
+    budget: float | str = "16-bit",
+    allowed: Iterable[Format] | None = None,
+    cost: DeviceCost | str | None = None,
+    loss_scale: float = 1.0,
+    rules: Any = None,
+) -> Callable[..., Plan]:
+    """A precision plan for ``fun``, measured on one calibration batch.
+
+    ``jxs.plan_precision(loss, dtype)(*args)`` measures each matmul site of
+    ``loss`` in every format on ``args`` (:class:`~jaxscale.precision.Sensor`)
+    and returns the fastest :class:`~jaxscale.precision.Plan` within
+    ``budget`` (:func:`~jaxscale.precision.solve`); run it with
+    ``jxs.autocast(loss, dtype, plan=plan)``. For several batches, use a
+    :class:`~jaxscale.precision.Sensor` and its ``plan``.
+
+    Args:
+      fun: the loss function (returns a scalar), written in float32.
+      dtype: the 16-bit autocast dtype (bfloat16 or float16).
+      budget: the error budget: ``"16-bit"`` (default: the sum of the sites'
+        16-bit scores, no worse than the model in ``dtype``), or a number.
+      allowed: the formats a site may take (default: all five).
+      cost: a device kind (``"H100"``, ``"H200"``) or a ``DeviceCost``;
+        ``None``: the device JAX runs on.
+      loss_scale: the loss scale the model trains with.
+      rules: autocast ``rules`` the plan will run with.
+
+    Returns:
+      A function of ``fun``'s arguments that returns a ``Plan``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+      >>> p = {"w1": jax.random.normal(k1, (16, 32)),
+      ...      "w2": jax.random.normal(k2, (32, 4))}
+      >>> x = jax.random.normal(k3, (8, 16))
+      >>> plan = jxs.plan_precision(loss, jnp.bfloat16, cost="H100")(p, x)
+      >>> sorted(plan.formats())
+      ['(top level)', '(top level)#1']
+      >>> float(jxs.autocast(loss, jnp.bfloat16, plan=plan)(p, x)) != 0
+      True
+    """
+    sensor = Sensor(fun, dtype, loss_scale=loss_scale, rules=rules)
+
+    def planner(*args: Any, **kwargs: Any) -> Plan:
+        return sensor.update(*args, **kwargs).plan(
+            budget=budget, allowed=allowed, cost=cost
+        )
+
+    return planner
