@@ -171,9 +171,22 @@ def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
     ]
 
 
-def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float):
-    """The site's reference product, whose backward measures every format."""
-    makes = [(f, _product(f, params, dims, dtype)) for f in PRECISION]
+def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float, widens: bool):
+    """The site's reference product, whose backward measures every format.
+    ``widens``: what uses the output widens it to float32, so autocast's
+    16-bit product returns float32 there (the widening rule)."""
+    makes = [
+        (
+            f,
+            _product(
+                Format.HALF_WIDE if widens and f is Format.HALF else f,
+                params,
+                dims,
+                dtype,
+            ),
+        )
+        for f in PRECISION
+    ]
 
     @jax.custom_vjp
     def tap(x, w, probe):
@@ -254,5 +267,5 @@ class SensorRule(SiteRule):
         if probes is None or index >= len(probes):
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
-        tap = _tap(params, dims, it.dtype, self.loss_scale)
+        tap = _tap(params, dims, it.dtype, self.loss_scale, bool(it.widens(eqn)))
         return [tap(x, w, probes[index])]

@@ -1,0 +1,354 @@
+"""The sensor and applying a plan (issue 41): what each format does at each
+matmul site, measured on a batch, and ``jxs.autocast(f, dtype, plan=plan)``.
+
+The sensor's first-order estimate of the loss change is checked against running
+that one site in the format and every other site in float32; sites are named
+alike by the sensor and by autocast (plain functions, Flax modules, scans,
+remat, equinox); range failures make a format's score ``inf`` with a note; a plan
+made for another function is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale as jxs
+import jaxscale.precision as jxp
+from jaxscale.precision._apply import PlanRule
+
+with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import equinox as eqx
+
+pytestmark = [pytest.mark.core]
+
+F = jxp.Format
+TOP = "(top level)"
+
+
+def normal(i, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(i), shape, jnp.float32)
+
+
+def chain(p, x):
+    """Three sites, nothing between them: a site's error reaches the loss
+    linearly, so the first-order estimate is exact up to rounding."""
+    y = ((x @ p["w1"]) @ p["w2"]) @ p["w3"]
+    return jnp.sum(y)
+
+
+def chain_params():
+    return {
+        "w1": normal(1, (16, 32)),
+        "w2": normal(2, (32, 24)),
+        "w3": normal(3, (24, 8)),
+        "c": normal(4, (8,)),
+    }
+
+
+def mlp(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    h = jnp.tanh(h @ p["w2"])
+    return jnp.mean((h @ p["w3"]) ** 2)
+
+
+def mlp_params():
+    return {
+        "w1": normal(1, (16, 32)),
+        "w2": normal(2, (32, 32)),
+        "w3": normal(3, (32, 4)),
+    }
+
+
+def only(names, site, fmt):
+    """A plan with ``site`` in ``fmt`` and every other site in float32."""
+    return PlanRule({n: (fmt if n == site else F.FLOAT32) for n in names})
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_first_order_estimate_matches_lowering_the_site_alone(dtype):
+    p, x = chain_params(), normal(9, (8, 16))
+    stats = jxp.Sensor(chain, dtype).update(p, x).stats()
+    names = list(stats)
+    assert names == [TOP, f"{TOP}#1", f"{TOP}#2"]
+    base = jax.jit(
+        jxs.autocast(chain, dtype, plan=PlanRule(dict.fromkeys(names, F.FLOAT32)))
+    )(p, x)
+    assert float(base) == pytest.approx(float(jax.jit(chain)(p, x)), rel=1e-6)
+    for name in names:
+        for fmt in (F.HALF, F.HALF_WIDE, F.FLOAT8, F.FLOAT8_ROWWISE):
+            run = jax.jit(jxs.autocast(chain, dtype, plan=only(names, name, fmt)))
+            actual = float(run(p, x)) - float(base)
+            estimate = stats[name][fmt]["linear"]
+            assert actual == pytest.approx(estimate, rel=2e-2, abs=2e-3), (name, fmt)
+            assert stats[name][fmt]["fisher"] > 0
+        assert stats[name][F.FLOAT32]["linear"] == 0.0  # CPU: default == HIGHEST
+
+
+def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact():
+    p, x = mlp_params(), normal(9, (8, 16))
+    measures = jxp.Sensor(mlp, jnp.bfloat16).update(p, x).measures()
+    for m in measures:
+        assert m.errors[F.FLOAT32] == 0.0
+        assert min(m.errors[F.FLOAT8], m.errors[F.FLOAT8_ROWWISE]) > 10 * m.errors[F.HALF]
+        assert m.errors[F.HALF] > 0
+        assert m.errors[F.HALF_WIDE] <= m.errors[F.HALF] * 1.001
+    # The scores are shares: the model in 16 bits scores 2 (forward and backward).
+    assert math.fsum(m.errors[F.HALF] for m in measures) == pytest.approx(2.0)
+    assert [m.shape for m in measures] == [(8, 16, 32), (8, 32, 32), (8, 32, 4)]
+    # Parameters arrive in float32 (4 bytes), activations in 16 bits (2).
+    # (The function's float32 input x arrives in 4 bytes, as a parameter does.)
+    assert [m.operand_bytes for m in measures] == [(4, 4), (2, 4), (2, 4)]
+
+
+def test_batches_are_averaged():
+    p = mlp_params()
+    xs = [normal(10 + i, (8, 16)) for i in range(3)]
+    one = [jxp.Sensor(mlp, jnp.bfloat16).update(p, x).stats() for x in xs]
+    sensor = jxp.Sensor(mlp, jnp.bfloat16)
+    for x in xs:
+        sensor.update(p, x)
+    both = sensor.stats()
+    assert sensor.batches == 3
+    mean = np.mean([s[TOP][F.FLOAT8]["fisher"] for s in one])
+    assert both[TOP][F.FLOAT8]["fisher"] == pytest.approx(mean, rel=1e-6)
+
+
+def test_a_scanned_site_is_one_site_summed_over_its_iterations():
+    ws = normal(1, (4, 16, 16), 0.3)
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(h**2)
+
+    def unrolled(ws, x):
+        h = x
+        for i in range(4):
+            h = jnp.tanh(h @ ws[i])
+        return jnp.sum(h**2)
+
+    x = normal(9, (8, 16))
+    s = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x).stats()
+    u = jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x).stats()
+    assert list(s) == [TOP]
+    assert list(u) == [TOP, f"{TOP}#1", f"{TOP}#2", f"{TOP}#3"]
+    for fmt in (F.HALF, F.FLOAT8):
+        for field in ("linear", "fisher", "dw"):
+            total = sum(u[n][fmt][field] for n in u)
+            assert s[TOP][fmt][field] == pytest.approx(total, rel=1e-3, abs=1e-9)
+    # The plan of the scanned function has one entry, and runs.
+    plan = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x).plan(cost="H100")
+    assert list(plan.formats()) == [TOP]
+    g = jax.jit(jax.grad(jxs.autocast(scanned, jnp.bfloat16, plan=plan)))(ws, x)
+    assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        y = nn.Dense(32, name="up")(nn.LayerNorm()(h))
+        return h + nn.Dense(32, name="down")(nn.gelu(y)), None
+
+
+class Model(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="embed")(x)
+        block = nn.remat(Block) if self.remat else Block
+        scan = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        h, _ = scan(name="blocks")(h, None)
+        return nn.Dense(4, name="head")(h)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_flax_sites_are_named_by_module_path(remat):
+    m, x = Model(remat), normal(1, (16, 8))
+    p = m.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return jnp.mean(m.apply(p, x) ** 2)
+
+    sensor = jxp.Sensor(loss, jnp.float16, loss_scale=2.0**10).update(p, x)
+    names = [s.site for s in sensor.measures()]
+    assert names[0].endswith("embed") and names[-1].endswith("head")
+    assert [n.rsplit("/", 1)[-1] for n in names[1:3]] == ["up", "down"]
+    plan = sensor.plan(cost="H200")
+    run = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.float16, plan=plan)))
+    value, g = run(p, x)
+    assert float(value) == pytest.approx(float(loss(p, x)), rel=2e-2)
+    assert jax.tree.leaves(jax.tree.map(lambda a: a.dtype == jnp.float32, g)) == [
+        True
+    ] * len(jax.tree.leaves(g))
+
+
+def test_equinox_mlp_and_jax_attention():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        net = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0))
+
+    def loss(net, x):
+        q = jax.vmap(net)(x)[:, None, None, :]  # (B, T=1, N=1, H=4)
+        out = jax.nn.dot_product_attention(q, q, q)
+        return jnp.mean(out**2)
+
+    x = normal(2, (6, 8))
+    params, static = eqx.partition(net, eqx.is_array)
+
+    def split(params, x):
+        return loss(eqx.combine(params, static), x)
+
+    plan = jxs.plan_precision(split, jnp.bfloat16, cost="H100")(params, x)
+    assert (
+        len(plan.sites) == 3
+    )  # the MLP's three layers; attention's products are batched
+    run = jax.jit(jxs.autocast(split, jnp.bfloat16, plan=plan))
+    assert float(run(params, x)) == pytest.approx(float(split(params, x)), rel=5e-2)
+
+
+def overflowing(p, x):
+    """The first site's output reaches ~1e5: float16 overflows there only."""
+    big = x @ p["big"]
+    h = big / jnp.max(jnp.abs(big), axis=-1, keepdims=True)
+    return jnp.mean((h @ p["small"]) ** 2)
+
+
+def overflow_params():
+    return {"big": normal(1, (64, 32), 10000.0), "small": normal(2, (32, 8))}
+
+
+def test_a_float16_overflow_is_inf_with_a_note_and_the_plan_avoids_it():
+    p, x = overflow_params(), normal(9, (16, 64))
+    sensor = jxp.Sensor(overflowing, jnp.float16).update(p, x)
+    big, small = sensor.measures()
+    assert big.errors[F.HALF] == math.inf
+    assert "outputs overflow float16" in big.notes[F.HALF]
+    assert math.isfinite(big.errors[F.HALF_WIDE])
+    assert all(math.isfinite(e) for e in small.errors.values())
+    plan = sensor.plan(cost="H100")
+    assert plan.formats()[big.site] in (F.HALF_WIDE, F.FLOAT32)
+    assert plan.within_budget
+    plain = jax.jit(jxs.autocast(overflowing, jnp.float16))(p, x)
+    planned = jax.jit(jxs.autocast(overflowing, jnp.float16, plan=plan))(p, x)
+    assert not bool(jnp.isfinite(plain))
+    assert float(planned) == pytest.approx(float(overflowing(p, x)), rel=1e-2)
+
+
+def test_scaled_gradients_that_overflow_or_flush_are_reported():
+    p, x = mlp_params(), normal(9, (8, 16))
+
+    def loud(p, x):
+        return 1e3 * mlp(p, x)
+
+    over = jxp.Sensor(loud, jnp.float16, loss_scale=2.0**24).update(p, x).measures()
+    assert any(
+        "gradients overflow at loss scale" in m.notes.get(F.HALF, "") for m in over
+    )
+    assert any(m.errors[F.HALF] == math.inf for m in over)
+
+    def quiet(p, x):
+        return 1e-9 * mlp(p, x)
+
+    under = jxp.Sensor(quiet, jnp.float16).update(p, x).measures()
+    assert any("flushes to zero in float16" in m.notes.get(F.HALF, "") for m in under)
+
+
+def one_site(p, x):
+    return jnp.sum((x @ p["w"]) * p["c"][None])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_each_format_runs_as_its_own_rule_would(dtype):
+    p = {"w": normal(1, (32, 16)), "c": normal(2, (16,))}
+    x = normal(3, (8, 32))
+
+    def run(**kw):
+        return jax.jit(jax.value_and_grad(jxs.autocast(one_site, dtype, **kw)))(p, x)
+
+    def planned(fmt):
+        return run(plan=PlanRule({TOP: fmt}))
+
+    same = [
+        (F.HALF, {}),
+        (F.FLOAT8, {"float8": jxs.float8.CurrentScaling(min_dim=0)}),
+        (F.FLOAT8_ROWWISE, {"float8": jxs.float8.RowwiseScaling(min_dim=0)}),
+    ]
+    for fmt, kw in same:
+        a, b = planned(fmt), run(**kw)
+        assert jax.tree.all(jax.tree.map(lambda u, v: bool(jnp.all(u == v)), a, b)), fmt
+    value32, _ = planned(F.FLOAT32)
+    assert float(value32) == pytest.approx(float(one_site(p, x)), rel=1e-6)
+    wide, _ = planned(F.HALF_WIDE)
+    hand = jnp.sum(
+        jax.lax.dot(
+            x.astype(dtype), p["w"].astype(dtype), preferred_element_type=jnp.float32
+        )
+        * p["c"][None]
+    )
+    assert float(wide) == pytest.approx(float(hand), rel=1e-5)
+
+
+def test_a_plan_round_trips_through_json_and_applies_the_same():
+    p, x = mlp_params(), normal(9, (8, 16))
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100", budget=math.inf)(p, x)
+    again = jxp.Plan.from_json(plan.to_json())
+    a = jax.jit(jxs.autocast(mlp, jnp.bfloat16, plan=plan))(p, x)
+    b = jax.jit(jxs.autocast(mlp, jnp.bfloat16, plan=again))(p, x)
+    assert bool(a == b)
+    assert hash(plan.autocast_rule()) == hash(again.autocast_rule())
+
+
+def test_a_plan_for_another_function_is_refused():
+    p, x = mlp_params(), normal(9, (8, 16))
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, x)
+
+    def deeper(p, x):
+        return mlp(p, x) + jnp.mean(x @ p["w1"])
+
+    with pytest.raises(ValueError, match=r"site '\(top level\)#3'.*does not name"):
+        jxs.autocast(deeper, jnp.bfloat16, plan=plan)(p, x)
+
+    def shallower(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    with pytest.raises(ValueError, match=r"never met: \(top level\)#2"):
+        jxs.autocast(shallower, jnp.bfloat16, plan=plan)(p, x)
+
+
+def test_wrong_arguments_are_refused_with_what_to_do():
+    p, x = mlp_params(), normal(9, (8, 16))
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, x)
+    with pytest.raises(ValueError, match="pass one of them"):
+        jxs.autocast(mlp, jnp.bfloat16, plan=plan, float8=True)
+    with pytest.raises(ValueError, match="16-bit autocast `dtype`"):
+        jxs.autocast(mlp, jnp.float32, plan=plan)
+    with pytest.raises(TypeError, match="`plan` must be a `jxs.precision.Plan`"):
+        jxs.autocast(mlp, jnp.bfloat16, plan={"(top level)": F.HALF})
+    with pytest.raises(ValueError, match="`dtype` must be bfloat16 or float16"):
+        jxp.Sensor(mlp, jnp.float32)
+    with pytest.raises(ValueError, match="`loss_scale` must be finite and positive"):
+        jxp.Sensor(mlp, jnp.float16, loss_scale=0.0)
+    with pytest.raises(TypeError, match="`loss_scale` must be a number"):
+        jxp.Sensor(mlp, jnp.float16, loss_scale="2**15")
+    with pytest.raises(TypeError, match="`fun` must be callable"):
+        jxp.Sensor(None)
+    with pytest.raises(ValueError, match="call `update` first"):
+        jxp.Sensor(mlp).measures()
+    with pytest.raises(ValueError, match="no matmul site"):
+        jxp.Sensor(lambda x: jnp.sum(jnp.tanh(x))).update(x)
+    with pytest.raises(TypeError, match="scalar floating loss"):
+        jxp.Sensor(lambda p, x: x @ p["w1"]).update(p, x)
+    with pytest.raises(TypeError, match="`formats` must map site names"):
+        PlanRule([("a", F.HALF)])
+    with pytest.raises(TypeError, match="a site name .* and a Format"):
+        PlanRule({"a": "float8"})
