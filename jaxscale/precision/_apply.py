@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast.classes import RULE_CLASSES, PluginRule, wide_product
@@ -41,10 +42,19 @@ from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.float8._recipes import CurrentScaling, RowwiseScaling
-from jaxscale.float8._site import float8_dot, sizes
+from jaxscale.float8._site import broadcast_max, float8_dot, sizes
 from jaxscale.precision._measure import FORMATS
 
-__all__ = ["PlanRule", "SiteContext", "SiteRule", "TOP_LEVEL", "site_name"]
+__all__ = [
+    "FLOAT8_RECIPES",
+    "TOP_LEVEL",
+    "PlanRule",
+    "ProbeContext",
+    "SiteContext",
+    "SiteRule",
+    "site_name",
+    "site_sizes",
+]
 
 _F32 = np.dtype("float32")
 _LOWER = RULE_CLASSES[AutocastRule.LOWER]
@@ -127,6 +137,43 @@ class SiteContext(Extension):
         name = site_name(where, self.seen)
         self.seen.append(name)
         return name
+
+
+class ProbeContext(SiteContext):
+    """A :class:`SiteContext` whose sites read *probes*: zero inputs, one per
+    site in the order met, whose cotangents carry what the site measured
+    (``session.probes``; ``None`` while only counting). In a ``scan`` body the
+    probes enter once per iteration; their cotangents combine over the
+    iterations by ``session.combine``: ``"sum"`` or ``"max"``."""
+
+    def __init__(self, session: Any):
+        super().__init__()
+        self.session = session
+
+    def loop_inputs(self, first, length):
+        probes = self.session.probes
+        if probes is None or first >= len(probes):
+            return ()
+        block = jnp.stack(probes[first:])
+        if self.session.combine == "max":
+            return (broadcast_max(block, length),)
+        return (jnp.broadcast_to(block, (length, *block.shape)),)
+
+    def enter_loop(self, first, extra):
+        saved = self.session.probes
+        if extra:
+            (block,) = extra
+            rows = [block[i] for i in range(block.shape[0])]
+            self.session.probes = [*saved[:first], *rows]
+        return saved
+
+    def leave_loop(self, saved):
+        self.session.probes = saved
+
+    def probe(self) -> Any:
+        """The probe of the site registered last, or ``None``."""
+        probes, index = self.session.probes, len(self.seen) - 1
+        return None if probes is None or index >= len(probes) else probes[index]
 
 
 def site_sizes(eqn: Any, vals: Sequence[Any]) -> tuple[int, int, int] | None:

@@ -102,10 +102,12 @@ def solver_why(
     return why
 
 
-def _user_why(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+def _user_why(
+    m: SiteMeasure, fmt: Format, cost: DeviceCost, reason: str = "chosen by the user"
+) -> str:
     ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
     return (
-        f"{fmt.value}: chosen by the user; {ratio:.2f}x the 16-bit time, error "
+        f"{fmt.value}: {reason}; {ratio:.2f}x the 16-bit time, error "
         f"{number(m.errors[fmt])}"
     )
 
@@ -204,7 +206,7 @@ class Plan:
 
     # ------------------------------------------------------------------ edits
 
-    def replace(self, site: str, fmt: Format) -> Plan:
+    def replace(self, site: str, fmt: Format, why: str | None = None) -> Plan:
         """A copy of this plan with ``site`` in ``fmt``: the user's choice.
 
         The site's time, error and ``why`` ("chosen by the user") are
@@ -215,6 +217,7 @@ class Plan:
           site: a site of the plan, by its name-stack path.
           fmt: a :class:`~jaxscale.precision.Format` measured at that site with
             a finite error.
+          why: the reason to record (default ``"chosen by the user"``).
 
         Returns:
           The edited :class:`Plan`.
@@ -248,7 +251,10 @@ class Plan:
                 "Choose a format whose range holds there."
             )
         sites = list(self.sites)
-        sites[where[site]] = site_plan(m, fmt, self.cost, _user_why(m, fmt, self.cost))
+        reason = "chosen by the user" if why is None else str(why)
+        sites[where[site]] = site_plan(
+            m, fmt, self.cost, _user_why(m, fmt, self.cost, reason)
+        )
         return dataclasses.replace(self, sites=tuple(sites))
 
     # ------------------------------------------------------------------- text

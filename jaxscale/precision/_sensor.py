@@ -40,7 +40,13 @@ from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._scope import Scope
 from jaxscale._speed import Format
 from jaxscale.float8._site import float8_dot
-from jaxscale.precision._apply import FLOAT8_RECIPES, SiteContext, SiteRule, site_sizes
+from jaxscale.precision._apply import (
+    FLOAT8_RECIPES,
+    ProbeContext,
+    SiteContext,
+    SiteRule,
+    site_sizes,
+)
 from jaxscale.precision._measure import PRECISION
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "WIDTH"]
@@ -66,34 +72,11 @@ class Session:
     """One traced run of the sensor: the probes (``None`` while the sites are
     only counted), and per site its size and operand bytes as met."""
 
-    def __init__(self, probes: Sequence[Any] | None = None):
+    def __init__(self, probes: Sequence[Any] | None = None, combine: str = "sum"):
         self.probes = list(probes) if probes is not None else None
+        self.combine = combine  # how a loop's iterations combine: "sum", "max"
         self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
         self.order: list[str] = []
-
-
-class _SensorContext(SiteContext):
-    def __init__(self, session: Session):
-        super().__init__()
-        self.session = session
-
-    def loop_inputs(self, first, length):
-        probes = self.session.probes
-        if probes is None or first >= len(probes):
-            return ()
-        block = jnp.stack(probes[first:])
-        return (jnp.broadcast_to(block, (length, *block.shape)),)
-
-    def enter_loop(self, first, extra):
-        saved = self.session.probes
-        if extra:
-            (block,) = extra
-            rows = [block[i] for i in range(block.shape[0])]
-            self.session.probes = [*saved[:first], *rows]
-        return saved
-
-    def leave_loop(self, saved):
-        self.session.probes = saved
 
 
 def _reference(x, w, dims):
@@ -222,7 +205,7 @@ class SensorRule(SiteRule):
 
     def begin(self) -> SiteContext:
         session = SESSION.current()
-        return _SensorContext(session if session is not None else Session())
+        return ProbeContext(session if session is not None else Session())
 
     def format_of(self, ctx, name, mkn, infos):
         return Format.HALF  # not reached: decide_sensed takes every site
@@ -234,7 +217,7 @@ class SensorRule(SiteRule):
 
     def decide_sensed(self, it, eqn, vals, infos) -> bool:
         ctx = it.extension
-        if not isinstance(ctx, _SensorContext) or ctx.paused:
+        if not isinstance(ctx, ProbeContext) or ctx.paused:
             return False
         if site_sizes(eqn, vals) is None:
             return False
@@ -261,11 +244,10 @@ class SensorRule(SiteRule):
     def emit_site(self, it, eqn, params, vals, name, fmt):
         ctx = it.extension
         dims = dot_dimension_numbers(params)
-        probes = ctx.session.probes
-        index = len(ctx.seen) - 1
+        probe = ctx.probe()
         x, w = vals
-        if probes is None or index >= len(probes):
+        if probe is None:
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
         tap = _tap(params, dims, it.dtype, self.loss_scale, bool(it.widens(eqn)))
-        return [tap(x, w, probes[index])]
+        return [tap(x, w, probe)]

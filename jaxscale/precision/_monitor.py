@@ -1,0 +1,412 @@
+"""While it trains: a per-site monitor inside the jitted step, and a re-plan on
+the host between steps (:class:`Monitor`).
+
+Each site of the plan runs in its format, as under ``jxs.autocast(f, dtype,
+plan=plan)``, and its output passes through a *watch*: an identity whose
+forward measures the site's operands and output and whose backward measures
+the incoming gradient, and which returns both as the cotangent of a zero probe
+(:class:`~jaxscale.precision._apply.ProbeContext`: in a ``scan``, the maximum
+over the iterations). The step gets them with its gradients, as arrays: no
+host synchronisation. :meth:`Monitor.update` folds them into a
+:class:`MonitorState` (counters per site); :meth:`Monitor.replan`, on the host
+at the user's cadence, raises a site one format after ``patience`` troubled
+steps in a row and lowers it back toward the plan's format after ``window``
+quiet ones. A new plan is a new program: the step is traced and compiled again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale._autocast.entry import autocast, check_dtype
+from jaxscale._grad import value_and_grad as scaled
+from jaxscale._speed import Format
+from jaxscale.float8._numerics import E4M3
+from jaxscale.precision._apply import PlanRule, ProbeContext, SiteContext
+from jaxscale.precision._measure import PRECISION
+from jaxscale.precision._plan import Plan
+from jaxscale.precision._sensor import SESSION, Session
+
+__all__ = ["FIELDS", "Monitor", "MonitorState"]
+
+_F32 = np.dtype("float32")
+# What the watch measures per site and step (the maximum over a loop's
+# iterations): the output's non-finite elements where its operands are finite;
+# the operands' and output's largest magnitude; float8's share of the operands'
+# nonzero elements that flush to zero when scaled per tensor (an upper bound
+# for rowwise scaling); the incoming gradient's non-finite elements, its share
+# of zeros, and its largest magnitude.
+FIELDS = (
+    "overflow",
+    "x_amax",
+    "w_amax",
+    "y_amax",
+    "float8_flush",
+    "grad_nonfinite",
+    "grad_zeros",
+    "grad_amax",
+)
+_K = len(FIELDS)
+_FIELD = MappingProxyType({f: i for i, f in enumerate(FIELDS)})
+_TINY_E4M3 = 2.0**-10  # half e4m3fn's smallest subnormal: rounds to zero
+
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MonitorState:
+    """The monitor's counters, per site in plan order (device arrays: carry
+    them through the jitted step with the rest of the train state).
+
+    Attributes:
+      steps: ``int32[]``, steps monitored.
+      troubled: ``int32[n]``, consecutive troubled steps per site (0 after a
+        quiet one).
+      quiet: ``int32[n]``, consecutive quiet steps per site.
+      events: ``int32[n]``, troubled steps per site in all.
+      last: ``f32[n, len(FIELDS)]``, the last step's measurements.
+      peak: ``f32[n, len(FIELDS)]``, their maxima over the steps.
+      calibration: ``f32[n, 3]``: the operands' and output's largest magnitude
+        at the first step, what ``drift`` compares with.
+      sites: the sites' names (static).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax.numpy as jnp
+      >>> F = jxs.precision.Format
+      >>> m = jxs.precision.SiteMeasure("mlp", (64, 32, 32), (2, 4),
+      ...                               {F.HALF: 1.0, F.FLOAT32: 0.0})
+      >>> plan = jxs.precision.solve([m], cost="H100", budget=1.0)
+      >>> state = jxs.precision.Monitor(plan, jnp.float16).init()
+      >>> state.sites, state.troubled.tolist(), state.last.shape
+      (('mlp',), [0], (1, 8))
+    """
+
+    steps: jax.Array
+    troubled: jax.Array
+    quiet: jax.Array
+    events: jax.Array
+    last: jax.Array
+    peak: jax.Array
+    calibration: jax.Array
+    sites: tuple[str, ...] = _static()
+
+    def drift(self) -> jax.Array:
+        """``f32[n, 3]``: the last step's largest magnitudes of the operands
+        and output over the first step's (1 until measured)."""
+        now = self.last[:, 1:4]
+        return jnp.where(self.calibration > 0, now / self.calibration, 1.0)
+
+
+def _count(mask: Any) -> Any:
+    return jnp.sum(mask.astype(_F32))
+
+
+def _amax(x: Any) -> Any:
+    x = x.astype(_F32)
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), initial=0.0)
+
+
+def _float8_flush(t: Any) -> Any:
+    """The share of ``t``'s nonzero elements that per-tensor scaling to
+    e4m3fn's largest value flushes to zero."""
+    t = jnp.abs(t.astype(_F32))
+    a = _amax(t)
+    top = float(jnp.finfo(E4M3).max)
+    nonzero = (t > 0) & jnp.isfinite(t)
+    lost = nonzero & (t * (top / jnp.maximum(a, 1e-30)) < _TINY_E4M3)
+    return _count(lost) / jnp.maximum(_count(nonzero), 1.0)
+
+
+def _watch(x_aval: Any, w_aval: Any):
+    """The identity on a site's output that measures it (see :data:`FIELDS`)."""
+
+    def forward(y, x, w):
+        finite_in = jnp.all(jnp.isfinite(x)) & jnp.all(jnp.isfinite(w))
+        overflow = jnp.where(finite_in, _count(~jnp.isfinite(y)), 0.0)
+        flush = jnp.maximum(_float8_flush(x), _float8_flush(w))
+        return [overflow, _amax(x), _amax(w), _amax(y), flush]
+
+    @jax.custom_vjp
+    def watch(y, x, w, probe):
+        return y
+
+    def fwd(y, x, w, probe):
+        x, w = jax.lax.stop_gradient(x), jax.lax.stop_gradient(w)
+        return y, tuple(forward(y, x, w))
+
+    def bwd(res, g):
+        stats = list(res)
+        zx = jnp.zeros(x_aval.shape, x_aval.dtype)
+        zw = jnp.zeros(w_aval.shape, w_aval.dtype)
+        g32 = g.astype(_F32)
+        n = max(g.size, 1)
+        stats += [_count(~jnp.isfinite(g32)), _count(g32 == 0) / n, _amax(g32)]
+        return g, zx, zw, jnp.stack([jnp.asarray(s, _F32) for s in stats])
+
+    watch.defvjp(fwd, bwd)
+    return watch
+
+
+@dataclasses.dataclass(frozen=True)
+class _MonitorRule(PlanRule):
+    """A plan's rule whose sites pass through a watch when probes are in scope."""
+
+    def begin(self) -> SiteContext:
+        session = SESSION.current()
+        return ProbeContext(session if session is not None else Session())
+
+    def emit_site(self, it, eqn, params, vals, name, fmt):
+        outs = super().emit_site(it, eqn, params, vals, name, fmt)
+        ctx = it.extension
+        probe = ctx.probe() if isinstance(ctx, ProbeContext) else None
+        if probe is None:
+            return outs
+        x, w = vals
+        watch = _watch(jax.typeof(x), jax.typeof(w))
+        return [watch(outs[0], x, w, probe)]
+
+
+def _order(plan: Plan) -> list[Format]:
+    return [s.format for s in plan.sites]
+
+
+@dataclasses.dataclass(frozen=True)
+class Monitor:
+    """Runs a plan and watches each site while the model trains.
+
+    ``monitor.value_and_grad(loss)`` is ``jax.value_and_grad`` of ``loss``
+    under ``jxs.autocast(loss, dtype, plan=monitor.plan)`` (or
+    ``jxs.value_and_grad`` with a loss scale) that also returns the step's
+    per-site measurements; :meth:`update` folds them into a
+    :class:`MonitorState`, inside the jitted step. A site is *troubled* at a
+    step if its output overflows while its operands are finite, if in float16
+    its output comes within ``headroom`` of float16's largest value, or if in
+    float8 more than ``max_flush`` of an operand's nonzero elements flush to
+    zero. :meth:`replan` (on the host) raises a site one format (float8 ->
+    float8 rowwise -> 16-bit -> 16-bit with a float32 result -> float32,
+    skipping formats the plan's measures say fail there) after ``patience``
+    troubled steps in a row, and moves it back toward the plan's own format
+    after ``window`` quiet steps in a row. Gradients' overflows are the loss
+    scale's business (it skips the step): they are counted, not acted on.
+
+    Args:
+      plan: the :class:`~jaxscale.precision.Plan` to run (its sites in the
+        order the function meets them, as the sensor made it).
+      dtype: the 16-bit autocast dtype.
+      patience: troubled steps in a row that raise a site.
+      window: quiet steps in a row that lower a raised site.
+      headroom: a float16 output whose largest magnitude exceeds
+        ``65504 / headroom`` is trouble.
+      max_flush: the share of float8 flushes that is trouble.
+      base: the plan's formats a raised site returns to (default: ``plan``'s
+        own; :meth:`replan` carries it over).
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> p = {"w1": jnp.ones((16, 32)) / 16, "w2": jnp.ones((32, 4))}
+      >>> x = jnp.ones((8, 16))
+      >>> plan = jxs.plan_precision(loss, jnp.float16, cost="H100")(p, x)
+      >>> mon = jxs.precision.Monitor(plan, jnp.float16, patience=1)
+      >>> state = mon.init()
+      >>> (value, grads), seen = mon.value_and_grad(loss)(p, x)
+      >>> state = mon.update(state, seen)
+      >>> int(state.steps), state.troubled.tolist()
+      (1, [0, 0])
+      >>> mon2, state2, changes = mon.replan(state)
+      >>> changes
+      ()
+    """
+
+    plan: Plan
+    dtype: Any = jnp.float16
+    patience: int = 3
+    window: int = 1000
+    headroom: float = 4.0
+    max_flush: float = 0.01
+    base: tuple[Format, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, Plan):
+            raise TypeError(
+                "`plan` must be a `jxs.precision.Plan` (from `jxs.plan_precision`), "
+                f"got {type(self.plan).__name__}."
+            )
+        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+        for name in ("patience", "window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, got {v!r}.")
+        if not (math.isfinite(self.headroom) and self.headroom >= 1):
+            raise ValueError(
+                f"`headroom` must be a number >= 1, got {self.headroom!r}."
+            )
+        if not 0 <= self.max_flush < 1:
+            raise ValueError(f"`max_flush` must be in [0, 1), got {self.max_flush!r}.")
+        base = tuple(self.base) if self.base is not None else tuple(_order(self.plan))
+        if len(base) != len(self.plan.sites):
+            raise ValueError("`base` must give one format per site of the plan.")
+        object.__setattr__(self, "base", base)
+
+    # ------------------------------------------------------------- in the step
+
+    def init(self) -> MonitorState:
+        """Counters at zero for the plan's sites."""
+        n = len(self.plan.sites)
+        zi, zf = jnp.zeros(n, jnp.int32), jnp.zeros((n, _K), _F32)
+        return MonitorState(
+            jnp.zeros((), jnp.int32),
+            zi,
+            zi,
+            zi,
+            zf,
+            zf,
+            jnp.zeros((n, 3), _F32),
+            tuple(s.site for s in self.plan.sites),
+        )
+
+    def value_and_grad(
+        self,
+        fun: Callable[..., Any],
+        loss_scale: Any = None,
+        *,
+        argnums: int | Sequence[int] = 0,
+        has_aux: bool = False,
+    ) -> Callable[..., Any]:
+        """``fun`` run with the plan, differentiated: the returned function
+        gives ``((value, grads), seen)``, ``seen`` the step's measurements
+        (``f32[n, len(FIELDS)]``) for :meth:`update`. With ``loss_scale`` (a
+        loss scale or a state holding one), as :func:`jaxscale.value_and_grad`:
+        the loss is scaled and the gradients come back scaled."""
+        rule = _MonitorRule(
+            tuple((s.site, s.format) for s in self.plan.sites), "the monitor's plan"
+        )
+        run = autocast(fun, self.dtype, plan=rule)
+        single = isinstance(argnums, int)
+        nums = (argnums,) if single else tuple(argnums)
+        n = len(self.plan.sites)
+
+        def with_probes(*args: Any) -> Any:
+            *args, probes = args
+            with SESSION.push(Session(list(probes), combine="max")):
+                return run(*args)
+
+        def step(*args: Any) -> Any:
+            probes = tuple(jnp.zeros(_K, _F32) for _ in range(n))
+            where = (*nums, len(args))
+            if loss_scale is None:
+                vg = jax.value_and_grad(with_probes, argnums=where, has_aux=has_aux)
+            else:
+                vg = scaled(with_probes, loss_scale, argnums=where, has_aux=has_aux)
+            value, grads = vg(*args, probes)
+            seen = jnp.stack(grads[-1]) if n else jnp.zeros((0, _K), _F32)
+            grads = grads[0] if single else tuple(grads[:-1])
+            return (value, grads), seen
+
+        return step
+
+    def troubled(self, seen: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(bad, calm)``, ``bool[n]`` each: the sites the step's measurements
+        call troubled in their format, and those that would be quiet in any
+        format (no overflow, operands and output within float16's range with
+        ``headroom``, float8 flushes within ``max_flush``): only calm steps
+        count toward lowering a site."""
+        formats = list(self.plan.formats().values())
+        top = float(jnp.finfo(self.dtype).max) / self.headroom
+        half = self.dtype == np.float16
+
+        def mask(which: tuple[Format, ...]) -> jax.Array:
+            return jnp.asarray(np.array([f in which for f in formats], bool))
+
+        eight = (Format.FLOAT8, Format.FLOAT8_ROWWISE)
+        col = {f: seen[:, i] for f, i in _FIELD.items()}
+        big_out = col["y_amax"] > top if half else jnp.zeros(len(formats), bool)
+        big_in = jnp.maximum(col["x_amax"], col["w_amax"]) > top
+        big_in = big_in if half else jnp.zeros(len(formats), bool)
+        flush = col["float8_flush"] > self.max_flush
+        overflow = col["overflow"] > 0
+        bad = (
+            overflow
+            | (mask((Format.HALF, *eight)) & big_out)
+            | (mask((Format.HALF, Format.HALF_WIDE)) & big_in)
+            | (mask(eight) & flush)
+        )
+        calm = ~(overflow | big_out | big_in | flush)
+        return bad, calm
+
+    def update(self, state: MonitorState, seen: jax.Array) -> MonitorState:
+        """The counters after one step's measurements (jit-friendly)."""
+        bad, calm = self.troubled(seen)
+        first = state.steps == 0
+        return dataclasses.replace(
+            state,
+            steps=state.steps + 1,
+            troubled=jnp.where(bad, state.troubled + 1, 0),
+            quiet=jnp.where(calm, state.quiet + 1, 0),
+            events=state.events + bad.astype(jnp.int32),
+            last=seen,
+            peak=jnp.maximum(state.peak, seen),
+            calibration=jnp.where(first, seen[:, 1:4], state.calibration),
+        )
+
+    # ------------------------------------------------------------ on the host
+
+    def replan(
+        self, state: MonitorState
+    ) -> tuple[Monitor, MonitorState, tuple[str, ...]]:
+        """A new monitor (with its plan), its state and the changes, in words:
+        sites raised after ``patience`` troubled steps, sites lowered toward
+        the plan's format after ``window`` quiet steps. Reads ``state`` on the
+        host (one transfer); the changed sites' counters restart. Unchanged:
+        the same monitor and state, and ``()``."""
+        if state.sites != tuple(s.site for s in self.plan.sites):
+            raise ValueError(
+                "`state` is for other sites than this monitor's plan: make it "
+                "with this monitor's `init` (or the `replan` that made it)."
+            )
+        troubled, quiet = np.asarray(state.troubled), np.asarray(state.quiet)
+        plan, changes, reset = self.plan, [], []
+        for i, s in enumerate(self.plan.sites):
+            m = self.plan.measures[i]
+            usable = [f for f in PRECISION if math.isfinite(m.errors.get(f, math.inf))]
+            rank = PRECISION.index
+            new = None
+            if troubled[i] >= self.patience:
+                up = [f for f in usable if rank(f) < rank(s.format)]
+                new = up[-1] if up else None
+                why = f"raised by the monitor after {troubled[i]} troubled steps"
+            elif quiet[i] >= self.window and rank(s.format) < rank(self.base[i]):
+                down = [
+                    f for f in usable if rank(s.format) < rank(f) <= rank(self.base[i])
+                ]
+                new = down[0] if down else None
+                why = f"lowered by the monitor after {quiet[i]} quiet steps"
+            if new is not None:
+                plan = plan.replace(s.site, new, why=why)
+                changes.append(f"{s.site}: {s.format.value} -> {new.value} ({why})")
+                reset.append(i)
+        if not changes:
+            return self, state, ()
+        keep = np.ones(len(self.plan.sites), bool)
+        keep[reset] = False
+        k = jnp.asarray(keep)
+        state = dataclasses.replace(
+            state,
+            troubled=jnp.where(k, state.troubled, 0),
+            quiet=jnp.where(k, state.quiet, 0),
+        )
+        return dataclasses.replace(self, plan=plan), state, tuple(changes)
