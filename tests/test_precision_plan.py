@@ -698,3 +698,22 @@ def test_the_guide_runs_and_prints_its_plan():
     with contextlib.redirect_stdout(out):
         exec(compile("\n".join(blocks), "docs/precision.md", "exec"), {})
     assert out.getvalue() == "".join(shown)
+
+
+def test_a_site_run_several_times_a_step_costs_as_many_runs():
+    one = site("a")
+    four = jxp.SiteMeasure("a", BIG, (2, 4), one.errors, runs=4)
+    for f in one.errors:
+        assert four.seconds(f, H100) == 4 * one.seconds(f, H100)
+    plan = jxp.solve([four, site("b")], cost=H100, budget="16-bit")
+    assert "(x4)" in str(plan)
+    assert jxp.Plan.from_json(plan.to_json()) == plan
+    # A plan saved before `runs` existed reads as one run per site.
+    doc = json.loads(plan.to_json())
+    for entry in doc["sites"]:
+        entry.pop("runs")
+    old = jxp.Plan.from_json(json.dumps(doc))
+    assert [m.runs for m in old.measures] == [1, 1]
+    for bad, error in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="`runs` must be a positive int"):
+            jxp.SiteMeasure("a", BIG, (2, 4), one.errors, runs=bad)

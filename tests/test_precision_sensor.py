@@ -144,9 +144,15 @@ def test_a_scanned_site_is_one_site_summed_over_its_iterations():
         for field in ("linear", "fisher", "dw"):
             total = sum(u[n][fmt][field] for n in u)
             assert s[TOP][fmt][field] == pytest.approx(total, rel=1e-3, abs=1e-9)
-    # The plan of the scanned function has one entry, and runs.
-    plan = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x).plan(cost="H100")
-    assert list(plan.formats()) == [TOP]
+    # The plan of the scanned function has one entry, run 4 times a step.
+    sensor = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x)
+    (m,) = sensor.measures()
+    assert m.runs == 4 and m.shape == (8, 16, 16)
+    assert [
+        u.runs for u in jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x).measures()
+    ] == [1] * 4
+    plan = sensor.plan(cost="H100")
+    assert list(plan.formats()) == [TOP] and "(x4)" in str(plan)
     g = jax.jit(jax.grad(jxs.autocast(scanned, jnp.bfloat16, plan=plan)))(ws, x)
     assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
 
@@ -251,11 +257,22 @@ def test_scaled_gradients_that_overflow_or_flush_are_reported():
     def loud(p, x):
         return 1e3 * mlp(p, x)
 
+    # Overflowing only at the loss scale: noted (dynamic scaling lowers the
+    # scale), not failed.
     over = jxp.Sensor(loud, jnp.float16, loss_scale=2.0**24).update(p, x).measures()
-    assert any(
-        "gradients overflow at loss scale" in m.notes.get(F.HALF, "") for m in over
-    )
-    assert any(m.errors[F.HALF] == math.inf for m in over)
+    notes = [m.notes.get(F.HALF, "") for m in over]
+    assert any("overflows float16 at loss scale 1.7e7" in n for n in notes), notes
+    assert all(math.isfinite(m.errors[F.HALF]) for m in over)
+
+    # Beyond float16 unscaled: no loss scale helps, so float16 fails there.
+    def louder(p, x):
+        return 1e12 * mlp(p, x)
+
+    beyond = jxp.Sensor(louder, jnp.float16).update(p, x).measures()
+    head = beyond[-1]
+    assert head.errors[F.HALF] == math.inf
+    assert "of the gradient beyond float16, unscaled" in head.notes[F.HALF]
+    assert head.errors[F.FLOAT32] == 0.0
 
     def quiet(p, x):
         return 1e-9 * mlp(p, x)

@@ -91,9 +91,11 @@ class _SiteLoop(Loop):
         ctx = self.ctx
         del ctx.seen[self.first :]
         saved = ctx.enter_loop(self.first, extra)
+        ctx.loops.append(self.length)
         try:
             yield
         finally:
+            ctx.loops.pop()
             ctx.leave_loop(saved)
 
 
@@ -106,6 +108,7 @@ class SiteContext(Extension):
 
     def __init__(self) -> None:
         self.seen: list[str] = []
+        self.loops: list[int] = []  # the lengths of the scans around, outermost first
         self.paused = 0
         self.choice: tuple[Any, str, Any] | None = None
 

@@ -62,7 +62,9 @@ class Sensor:
       is ``fisher / F + grad / G``, ``F`` and ``G`` their sums over the sites in
       16 bits, so the model in 16 bits scores 2;
     - ``inf`` where the format's range fails on a batch: an output that
-      overflows, an operand it cannot hold, a scaled gradient that overflows.
+      overflows, an operand it cannot hold, a gradient beyond 16 bits even
+      unscaled. A gradient that overflows only at ``loss_scale`` is noted, not
+      failed: dynamic loss scaling lowers the scale until it fits.
 
     Sites are named as ``jxs.autocast(..., plan=)`` names them: by name stack,
     ``#1``, ``#2`` for repeats, a scanned layer once.
@@ -115,7 +117,7 @@ class Sensor:
         self._run = autocast(
             fun, self.dtype, rules=rules, plan=SensorRule(loss_scale=self.loss_scale)
         )
-        self._sites: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
+        self._sites: dict[str, tuple[Any, ...]] = {}
         self._order: list[str] = []
         self._sums: np.ndarray | None = None
         self.batches = 0
@@ -211,8 +213,8 @@ class Sensor:
                 errors[f] = math.inf if failed else e
                 if note:
                     words[f] = note
-            mkn, nbytes = self._sites[name]
-            out.append(SiteMeasure(name, mkn, nbytes, errors, words))
+            mkn, nbytes, runs = self._sites[name]
+            out.append(SiteMeasure(name, mkn, nbytes, errors, words, runs))
         return tuple(out)
 
     def plan(
@@ -230,23 +232,38 @@ class Sensor:
         return solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
 
 
+def _share(count: float, total: float) -> str:
+    return f"{100 * count / max(total, 1):.2g}%"
+
+
 def _trouble(s: dict, ref: dict, fmt: Format, dtype: np.dtype, scale: float):
-    """``(failed, note)`` for one site in one format."""
-    name = "float8" if fmt in (Format.FLOAT8, Format.FLOAT8_ROWWISE) else dtype.name
-    words = []
+    """``(failed, note)`` for one site in one format. A format fails where its
+    forward range does (an output that overflows, an operand it cannot hold)
+    or where the gradient overflows its 16 bits unscaled; a gradient that
+    overflows only at the loss scale is noted (dynamic loss scaling lowers
+    the scale until it fits), not failed."""
+    name, words = dtype.name, []
     if s["overflow"] > 0:
-        words.append(f"{number(s['overflow'])} outputs overflow {name}")
-    if s["range"] > 0:
-        words.append(f"{number(s['range'])} operands beyond {name}'s range")
-    if s["grad_overflow"] > 0:
         words.append(
-            f"{number(s['grad_overflow'])} gradients overflow at loss scale "
-            f"{number(scale)}"
+            f"{_share(s['overflow'], ref['outputs'])} of outputs overflow {name}"
         )
+    if s["range"] > 0:
+        words.append(f"{_share(s['range'], ref['inputs'])} of operands beyond {name}")
+    if fmt is not Format.FLOAT32 and ref["grad_beyond"] > 0:
+        share = _share(ref["grad_beyond"], ref["outputs"])
+        words.append(f"{share} of the gradient beyond {name}, unscaled")
     failed = bool(words)
+    if s["grad_overflow"] > 0 and not (
+        fmt is not Format.FLOAT32 and ref["grad_beyond"] > 0
+    ):
+        share = _share(s["grad_overflow"], ref["outputs"])
+        words.append(
+            f"{share} of the gradient overflows {name} at loss scale {number(scale)} "
+            "(dynamic loss scaling would skip steps and lower it)"
+        )
     if s["flush"] > 0 and ref["grads"] > 0:
-        share = s["flush"] / ref["grads"]
-        words.append(f"{share:.1%} of the gradient flushes to zero in {name}")
+        share = _share(s["flush"], ref["grads"])
+        words.append(f"{share} of the gradient flushes to zero in {name}")
     return failed, "; ".join(words)
 
 

@@ -134,6 +134,8 @@ class SiteMeasure:
         range fails (float16 overflows, say).
       notes: optional, per format: why, in words (``"max |x| 9.1e4 overflows
         float16"``).
+      runs: how many times a step runs the site (a ``scan`` of length 12
+        around it: 12); its predicted time is multiplied by it.
 
     Raises:
       TypeError: if a field has the wrong type.
@@ -160,6 +162,7 @@ class SiteMeasure:
     operand_bytes: tuple[int, int]
     errors: Mapping[Format, float]
     notes: Mapping[Format, str] = dataclasses.field(default_factory=dict)
+    runs: int = 1
 
     def __post_init__(self):
         site = self.site
@@ -196,7 +199,15 @@ class SiteMeasure:
                 f"SiteMeasure {site!r}: `notes` must be about measured formats, "
                 f"got notes for {', '.join(unmeasured)}, which `errors` lacks."
             )
+        runs = self.runs
+        if isinstance(runs, bool) or not isinstance(runs, numbers.Integral) or runs < 1:
+            wrong = isinstance(runs, bool) or not isinstance(runs, numbers.Integral)
+            raise (TypeError if wrong else ValueError)(
+                f"SiteMeasure {site!r}: `runs` must be a positive int (how many "
+                f"times a step runs the site), got {runs!r}."
+            )
         for name, value in (
+            ("runs", int(runs)),
             ("shape", shape),
             ("operand_bytes", nbytes),
             ("errors", errors),
@@ -212,9 +223,11 @@ class SiteMeasure:
                 self.operand_bytes,
                 tuple(self.errors.items()),
                 tuple(self.notes.items()),
+                self.runs,
             )
         )
 
     def seconds(self, fmt: Format, cost: DeviceCost) -> float:
-        """The speed model's predicted seconds of this site in ``fmt``."""
-        return site_seconds(fmt, *self.shape, *self.operand_bytes, cost)
+        """The speed model's predicted seconds of this site in ``fmt``, its
+        ``runs`` runs included."""
+        return self.runs * site_seconds(fmt, *self.shape, *self.operand_bytes, cost)

@@ -89,12 +89,14 @@ def solver_why(
     """Why the solver chose ``fmt`` at site ``m``; ``faster`` lists the allowed,
     measured formats that were faster there (to the picosecond). Alone, each
     finite one would have taken the plan over the budget: with it the plan
-    would be faster, so the solver would have taken it."""
+    would be faster, so the solver would have taken it. Formats whose range
+    fails at the site are named, faster or not."""
     ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
     why = f"{fmt.value}: {ratio:.2f}x the 16-bit time, error "
     why += f"{number(m.errors[fmt])} within the budget"
     over = [_describe(m, f, cost) for f in faster if math.isfinite(m.errors[f])]
-    fails = [_describe(m, f, cost) for f in faster if not math.isfinite(m.errors[f])]
+    # Every format whose range fails here, faster or not: why it was not taken.
+    fails = [_describe(m, f, cost) for f, e in m.errors.items() if math.isinf(e)]
     if over:
         why += f"; {' or '.join(over)} here would take the plan over it"
     if fails:
@@ -270,11 +272,12 @@ class Plan:
             "",
         ]
         rows = [["site", "m x k x n", "format", "time", "error", "why"]]
-        for s in self.sites:
+        for s, m in zip(self.sites, self.measures, strict=True):
+            runs = f" (x{m.runs})" if m.runs > 1 else ""
             rows.append(
                 [
                     s.site,
-                    " x ".join(map(str, s.shape)),
+                    " x ".join(map(str, s.shape)) + runs,
                     s.format.value,
                     _time(s.seconds),
                     number(s.error),
@@ -304,6 +307,7 @@ class Plan:
                     "operand_bytes": list(m.operand_bytes),
                     "errors": {f.value: _out(e) for f, e in m.errors.items()},
                     "notes": {f.value: n for f, n in m.notes.items()},
+                    "runs": m.runs,
                     "format": s.format.value,
                     "seconds": s.seconds,
                     "half_seconds": s.half_seconds,
@@ -359,7 +363,7 @@ class Plan:
                 raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
             sites, measures = [], []
             for entry in doc["sites"]:
-                _fields("a site", entry, _SITE_FIELDS)
+                _fields("a site", entry, _SITE_FIELDS, optional={"runs"})
                 errors = {Format(f): _in(e) for f, e in entry["errors"].items()}
                 notes = {Format(f): n for f, n in entry["notes"].items()}
                 m = SiteMeasure(
@@ -368,6 +372,7 @@ class Plan:
                     tuple(entry["operand_bytes"]),
                     errors,
                     notes,
+                    entry.get("runs", 1),
                 )
                 fmt = Format(entry["format"])
                 if fmt not in m.errors:
@@ -395,6 +400,7 @@ _SITE_FIELDS = frozenset(
         "operand_bytes",
         "errors",
         "notes",
+        "runs",
         "format",
         "seconds",
         "half_seconds",
@@ -403,10 +409,16 @@ _SITE_FIELDS = frozenset(
 )
 
 
-def _fields(what: str, doc: Any, expected: frozenset[str] | set[str]) -> None:
+def _fields(
+    what: str,
+    doc: Any,
+    expected: frozenset[str] | set[str],
+    optional: frozenset[str] | set[str] = frozenset(),
+) -> None:
     if not isinstance(doc, dict):
         raise ValueError(f"{what} must be a JSON object, got {doc!r}.")
-    missing, unknown = sorted(expected - set(doc)), sorted(set(doc) - expected)
+    missing = sorted(expected - set(doc) - set(optional))
+    unknown = sorted(set(doc) - expected)
     if missing or unknown:
         raise ValueError(
             f"{what} must have the fields {sorted(expected)}; missing {missing}, "

@@ -25,6 +25,7 @@ into :class:`~jaxscale.precision.SiteMeasure` scores.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +64,14 @@ FIELDS = (
     "grad_overflow",  # scaled gradients or backward products non-finite
     "flush",  # nonzero gradients flushed to zero once scaled and cast
 )
-REFERENCE = ("dx_ref", "dw_ref", "outputs", "grads")
+REFERENCE = (
+    "dx_ref",  # sum of squares of g w^T
+    "dw_ref",  # sum of squares of x^T g
+    "outputs",  # elements of the output (and of its gradient)
+    "grads",  # nonzero elements of the gradient
+    "inputs",  # elements of both operands
+    "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
+)
 WIDTH = len(PRECISION) * len(FIELDS) + len(REFERENCE)
 SESSION = Scope("precision sensor")
 
@@ -75,7 +83,8 @@ class Session:
     def __init__(self, probes: Sequence[Any] | None = None, combine: str = "sum"):
         self.probes = list(probes) if probes is not None else None
         self.combine = combine  # how a loop's iterations combine: "sum", "max"
-        self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
+        # per site: (m, k, n), operand bytes, runs per step
+        self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int], int]] = {}
         self.order: list[str] = []
 
 
@@ -187,7 +196,9 @@ def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float, widens: boo
         stats = []
         for fmt, make in makes:
             stats += _format_stats(fmt, make, x32, w32, y, g, dx, dw, dtype, loss_scale)
+        top = float(jnp.finfo(dtype).max)
         stats += [_sq(dx), _sq(dw), jnp.asarray(y.size, _F32), _count(g != 0)]
+        stats += [jnp.asarray(x.size + w.size, _F32), _count(jnp.abs(g) > top)]
         probe = jnp.stack([jnp.asarray(s, _F32) for s in stats])
         return dx.astype(x.dtype), dw.astype(w.dtype), probe
 
@@ -232,7 +243,8 @@ class SensorRule(SiteRule):
             dtype_of(v).itemsize if i.param else 2
             for v, i in zip(vals, infos, strict=True)
         )
-        ctx.session.sites.setdefault(name, (mkn, nbytes))
+        runs = math.prod(ctx.loops)
+        ctx.session.sites.setdefault(name, (mkn, nbytes, runs))
         if name not in ctx.session.order:
             ctx.session.order.append(name)
 
