@@ -83,6 +83,14 @@ def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
     return f"{fmt.value} ({ratio:.2f}x, error {number(m.errors[fmt])}{note})"
 
 
+def _failing(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+    """``float8 (0.85x, amax beyond e4m3)``: a format whose range fails, with
+    the sensor's first reason."""
+    ratio = m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)
+    note = f", {m.notes[fmt].split('; ')[0]}" if fmt in m.notes else ""
+    return f"{fmt.value} ({ratio:.2f}x{note})"
+
+
 def solver_why(
     m: SiteMeasure, fmt: Format, cost: DeviceCost, faster: list[Format]
 ) -> str:
@@ -95,8 +103,9 @@ def solver_why(
     why = f"{fmt.value}: {ratio:.2f}x the 16-bit time, error "
     why += f"{number(m.errors[fmt])} within the budget"
     over = [_describe(m, f, cost) for f in faster if math.isfinite(m.errors[f])]
-    # Every format whose range fails here, faster or not: why it was not taken.
-    fails = [_describe(m, f, cost) for f, e in m.errors.items() if math.isinf(e)]
+    # Every format whose range fails here, faster or not: why it was not taken
+    # (the sensor's first reason; the rest is in the measure's notes).
+    fails = [_failing(m, f, cost) for f, e in m.errors.items() if math.isinf(e)]
     if over:
         why += f"; {' or '.join(over)} here would take the plan over it"
     if fails:
