@@ -100,7 +100,8 @@ def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact():
         eight = min(m.errors[F.FLOAT8], m.errors[F.FLOAT8_ROWWISE])
         assert eight > 10 * m.errors[F.HALF]
         assert m.errors[F.HALF] > 0
-        assert m.errors[F.HALF_WIDE] <= m.errors[F.HALF] * 1.001
+        # No output rounding; the same 16-bit backward (up to its rounding).
+        assert m.errors[F.HALF_WIDE] <= m.errors[F.HALF] * 1.1
     # The scores are shares: the model in 16 bits scores 2 (forward and backward).
     assert math.fsum(m.errors[F.HALF] for m in measures) == pytest.approx(2.0)
     assert [m.shape for m in measures] == [(8, 16, 32), (8, 32, 32), (8, 32, 4)]
