@@ -396,9 +396,7 @@ def test_the_plan_prints_a_table():
         "; float8 (0.93x, error 0.003) here would take the plan over it"
     )
     down = next(line for line in lines if "mlp_down" in line)
-    assert down.endswith(
-        "float8 (0.85x, amax beyond e4m3 after scaling) fails here"
-    )
+    assert down.endswith("float8 (0.85x, amax beyond e4m3 after scaling) fails here")
     over = plan.replace("GPT/block_0/qkv", F.FLOAT8)
     assert "  error 0.0033, OVER the budget 4.0e-4" in str(over).splitlines()
 

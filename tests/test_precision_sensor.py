@@ -16,7 +16,6 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxscale as jxs
@@ -110,17 +109,30 @@ def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact():
     assert [m.operand_bytes for m in measures] == [(4, 4), (2, 4), (2, 4)]
 
 
+def test_the_sensor_measures_only_the_formats_asked_and_16_bits():
+    p, x = mlp_params(), normal(9, (8, 16))
+    (m, *_) = jxp.Sensor(mlp, jnp.bfloat16, formats={F.FLOAT8}).update(p, x).measures()
+    assert list(m.errors) == [F.HALF, F.FLOAT8]
+    allowed = (f for f in (F.FLOAT32, F.FLOAT8))  # read once, used twice
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100", allowed=allowed)(p, x)
+    assert list(plan.measures[0].errors) == [F.FLOAT32, F.HALF, F.FLOAT8]
+    assert set(plan.formats().values()) <= {F.FLOAT32, F.FLOAT8}
+    with pytest.raises(TypeError, match="`formats` must be a collection"):
+        jxp.Sensor(mlp, formats=F.FLOAT8)
+    with pytest.raises(TypeError, match="`formats` must hold"):
+        jxp.Sensor(mlp, formats=["float8"])
+
+
 def test_batches_are_averaged():
     p = mlp_params()
-    xs = [normal(10 + i, (8, 16)) for i in range(3)]
-    one = [jxp.Sensor(mlp, jnp.bfloat16).update(p, x).stats() for x in xs]
-    sensor = jxp.Sensor(mlp, jnp.bfloat16)
-    for x in xs:
-        sensor.update(p, x)
-    both = sensor.stats()
-    assert sensor.batches == 3
-    mean = np.mean([s[TOP][F.FLOAT8]["fisher"] for s in one])
-    assert both[TOP][F.FLOAT8]["fisher"] == pytest.approx(mean, rel=1e-6)
+    x0, x1 = normal(10, (8, 16)), normal(11, (8, 16))
+    both = jxp.Sensor(mlp, jnp.bfloat16).update(p, x0)
+    first = both.stats()[TOP][F.FLOAT8]["fisher"]
+    both.update(p, x1)
+    second = jxp.Sensor(mlp, jnp.bfloat16).update(p, x1).stats()[TOP][F.FLOAT8]
+    assert both.batches == 2
+    mean = (first + second["fisher"]) / 2
+    assert both.stats()[TOP][F.FLOAT8]["fisher"] == pytest.approx(mean, rel=1e-6)
 
 
 def test_a_scanned_site_is_one_site_summed_over_its_iterations():
@@ -137,8 +149,9 @@ def test_a_scanned_site_is_one_site_summed_over_its_iterations():
         return jnp.sum(h**2)
 
     x = normal(9, (8, 16))
-    s = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x).stats()
-    u = jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x).stats()
+    sensor = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x)
+    unrolled_sensor = jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x)
+    s, u = sensor.stats(), unrolled_sensor.stats()
     assert list(s) == [TOP]
     assert list(u) == [TOP, f"{TOP}#1", f"{TOP}#2", f"{TOP}#3"]
     for fmt in (F.HALF, F.FLOAT8):
@@ -146,12 +159,9 @@ def test_a_scanned_site_is_one_site_summed_over_its_iterations():
             total = sum(u[n][fmt][field] for n in u)
             assert s[TOP][fmt][field] == pytest.approx(total, rel=1e-3, abs=1e-9)
     # The plan of the scanned function has one entry, run 4 times a step.
-    sensor = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x)
     (m,) = sensor.measures()
     assert m.runs == 4 and m.shape == (8, 16, 16)
-    assert [
-        u.runs for u in jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x).measures()
-    ] == [1] * 4
+    assert [u.runs for u in unrolled_sensor.measures()] == [1] * 4
     plan = sensor.plan(cost="H100")
     assert list(plan.formats()) == [TOP] and "(x4)" in str(plan)
     g = jax.jit(jax.grad(jxs.autocast(scanned, jnp.bfloat16, plan=plan)))(ws, x)

@@ -42,6 +42,23 @@ def _loss_scale(value: Any) -> float:
     return float(value)
 
 
+def _formats(formats: Any) -> tuple[Format, ...]:
+    """The formats to measure, in :data:`PRECISION` order, 16 bits always
+    (the budget's reference and the scores' scale)."""
+    if formats is None:
+        return PRECISION
+    if isinstance(formats, Format | str) or not isinstance(formats, Iterable):
+        raise TypeError(
+            "`formats` must be a collection of `jxs.precision.Format`s (or None: "
+            f"all five), got {formats!r}."
+        )
+    given = set(formats)
+    bad = [f for f in given if not isinstance(f, Format)]
+    if bad:
+        raise TypeError(f"`formats` must hold `jxs.precision.Format`s, got {bad[0]!r}.")
+    return tuple(f for f in PRECISION if f in given or f is Format.HALF)
+
+
 class Sensor:
     """Measures, per matmul site of ``fun`` and per format, the error each
     format would add, on calibration batches.
@@ -77,6 +94,9 @@ class Sensor:
         gradients are measured scaled by it; 1.0 for bfloat16).
       rules: the ``rules`` of :func:`jaxscale.autocast`, if the plan will run
         with some.
+      formats: the formats to measure (default: all five; ``HALF`` always,
+        the budget's reference). Fewer formats, fewer products to compile
+        and run; a format not measured is never chosen.
 
     Examples:
       >>> import jaxscale as jxs
@@ -104,6 +124,7 @@ class Sensor:
         *,
         loss_scale: float = 1.0,
         rules: Any = None,
+        formats: Iterable[Format] | None = None,
     ):
         if not callable(fun):
             raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
@@ -114,9 +135,9 @@ class Sensor:
                 "runs in), got float32."
             )
         self.loss_scale = _loss_scale(loss_scale)
-        self._run = autocast(
-            fun, self.dtype, rules=rules, plan=SensorRule(loss_scale=self.loss_scale)
-        )
+        self.formats = _formats(formats)
+        rule = SensorRule(loss_scale=self.loss_scale, formats=self.formats)
+        self._run = autocast(fun, self.dtype, rules=rules, plan=rule)
         self._sites: dict[str, tuple[Any, ...]] = {}
         self._order: list[str] = []
         self._sums: np.ndarray | None = None
@@ -192,7 +213,7 @@ class Sensor:
         fisher, grad, notes = {}, {}, {}
         for name, row in stats.items():
             ref = row["reference"]
-            for f in PRECISION:
+            for f in self.formats:
                 s = row[f]
                 fisher[name, f] = s["fisher"]
                 grad[name, f] = sum(
@@ -205,7 +226,7 @@ class Sensor:
         out = []
         for name in self._order:
             errors, words = {}, {}
-            for f in PRECISION:
+            for f in self.formats:
                 failed, note = notes[name, f]
                 e = (fisher[name, f] / big_f if big_f > 0 else 0.0) + (
                     grad[name, f] / big_g if big_g > 0 else 0.0
@@ -291,7 +312,8 @@ def plan_precision(
       dtype: the 16-bit autocast dtype (bfloat16 or float16).
       budget: the error budget: ``"16-bit"`` (default: the sum of the sites'
         16-bit scores, no worse than the model in ``dtype``), or a number.
-      allowed: the formats a site may take (default: all five).
+      allowed: the formats a site may take (default: all five); only these
+        (and 16 bits, the budget's reference) are measured.
       cost: a device kind (``"H100"``, ``"H200"``) or a ``DeviceCost``;
         ``None``: the device JAX runs on.
       loss_scale: the loss scale the model trains with.
@@ -315,7 +337,9 @@ def plan_precision(
       >>> float(jxs.autocast(loss, jnp.bfloat16, plan=plan)(p, x)) != 0
       True
     """
-    sensor = Sensor(fun, dtype, loss_scale=loss_scale, rules=rules)
+    if allowed is not None and isinstance(allowed, Iterable):
+        allowed = tuple(allowed)  # read twice: by the sensor and by the solver
+    sensor = Sensor(fun, dtype, loss_scale=loss_scale, rules=rules, formats=allowed)
 
     def planner(*args: Any, **kwargs: Any) -> Plan:
         return sensor.update(*args, **kwargs).plan(

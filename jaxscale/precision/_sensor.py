@@ -163,10 +163,18 @@ def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
     ]
 
 
-def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float, widens: bool):
-    """The site's reference product, whose backward measures every format.
-    ``widens``: what uses the output widens it to float32, so autocast's
-    16-bit product returns float32 there (the widening rule)."""
+def _tap(
+    params: Any,
+    dims: Any,
+    dtype: np.dtype,
+    loss_scale: float,
+    widens: bool,
+    formats: tuple[Format, ...],
+):
+    """The site's reference product, whose backward measures ``formats`` (the
+    others' fields are zeros). ``widens``: what uses the output widens it to
+    float32, so autocast's 16-bit product returns float32 there (the widening
+    rule)."""
     makes = [
         (
             f,
@@ -178,6 +186,7 @@ def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float, widens: boo
             ),
         )
         for f in PRECISION
+        if f in formats
     ]
 
     @jax.custom_vjp
@@ -193,8 +202,12 @@ def _tap(params: Any, dims: Any, dtype: np.dtype, loss_scale: float, widens: boo
         x32, w32, g = x.astype(_F32), w.astype(_F32), g.astype(_F32)
         _, vjp = jax.vjp(lambda a, b: _reference(a, b, dims), x32, w32)
         dx, dw = vjp(g)
-        stats = []
-        for fmt, make in makes:
+        stats, made = [], dict(makes)
+        for fmt in PRECISION:
+            if fmt not in made:
+                stats += [0.0] * len(FIELDS)
+                continue
+            make = made[fmt]
             stats += _format_stats(fmt, make, x32, w32, y, g, dx, dw, dtype, loss_scale)
         top = float(jnp.finfo(dtype).max)
         stats += [_sq(dx), _sq(dw), jnp.asarray(y.size, _F32), _count(g != 0)]
@@ -213,6 +226,7 @@ class SensorRule(SiteRule):
     counted (its size and operand bytes recorded) in any case."""
 
     loss_scale: float = 1.0
+    formats: tuple[Format, ...] = PRECISION
 
     def begin(self) -> SiteContext:
         session = SESSION.current()
@@ -261,5 +275,6 @@ class SensorRule(SiteRule):
         if probe is None:
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
-        tap = _tap(params, dims, it.dtype, self.loss_scale, bool(it.widens(eqn)))
+        widens = bool(it.widens(eqn))
+        tap = _tap(params, dims, it.dtype, self.loss_scale, widens, self.formats)
         return [tap(x, w, probe)]
