@@ -16,6 +16,7 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxscale as jxs
@@ -381,3 +382,31 @@ def test_wrong_arguments_are_refused_with_what_to_do():
         PlanRule([("a", F.HALF)])
     with pytest.raises(TypeError, match="a site name .* and a Format"):
         PlanRule({"a": "float8"})
+
+
+def test_a_plan_with_float8_sites_accumulates_and_shards():
+    """A plan's float8 sites under gradient accumulation (a weight quantised
+    once per window) and under ``jit`` over 8 devices (data parallel)."""
+    p, x = mlp_params(), normal(9, (16, 16))
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100", budget=math.inf)(p, x)
+    for s in plan.sites:
+        plan = plan.replace(s.site, F.FLOAT8_ROWWISE if "#1" in s.site else F.FLOAT8)
+    run = jxs.autocast(mlp, jnp.bfloat16, plan=plan)
+    value, grads = jax.jit(jax.value_and_grad(run))(p, x)
+    scale = jxs.NoOpLossScale()
+    acc = jxs.accumulate_value_and_grad(run, scale, num_microbatches=2, batch_argnums=1)
+    v2, g2 = jax.jit(acc)(p, x)
+    assert float(v2) == pytest.approx(float(value), rel=5e-2)
+    for k in grads:
+        assert bool(jnp.all(jnp.isfinite(g2[k])))
+        assert float(jnp.linalg.norm(g2[k] - grads[k])) <= 0.2 * float(
+            jnp.linalg.norm(grads[k])
+        )
+    devices = jax.devices("cpu")[:8]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    xs = jax.device_put(x, spec)
+    v3, g3 = jax.jit(jax.value_and_grad(run))(p, xs)
+    assert float(v3) == pytest.approx(float(value), rel=1e-2)
+    for k in grads:
+        np.testing.assert_allclose(g3[k], grads[k], rtol=0.05, atol=1e-3)
