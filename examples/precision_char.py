@@ -270,7 +270,7 @@ def _ratio(values: list[float]) -> str:
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
 
 
-def markdown_table(summary: dict, sd: float | None) -> str:
+def markdown_table(summary: dict) -> str:
     """The table of docs/examples.md, from the summary."""
     seeds = sorted(next(iter(summary.values()))["final_val"])
     head = " | ".join(f"seed {s}" for s in seeds)
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(runs, cfg.rows, ratios)
     sd = summary["bf16"]["std"] if len(cfg.seeds) > 1 else None
 
-    print("\n" + markdown_table(summary, sd))
+    print("\n" + markdown_table(summary))
     if sd is None:
         print("one seed: no spread to judge with (pass --seeds 0 1 2)")
     else:

@@ -4,6 +4,8 @@ for every site the sensor found."""
 import importlib.util
 import json
 import math
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,27 @@ def test_rows_from_the_sensor():
     # Large products: float8 predicted faster on both kinds.
     for kind in pc.DEVICES:
         assert pc.speed_ratio(dict.fromkeys("abc", F.FLOAT8), measures, kind) < 1
+
+
+@pytest.mark.parametrize("width", [64, 256])
+def test_docs_tables_are_the_committed_runs(width):
+    """docs/examples.md shows the committed runs' tables (from their JSON, by
+    the script's own ``markdown_table``) and the commands that made them."""
+    pc = _module()
+    path = ROOT / "docs" / "_static" / f"precision_char_{width}.json"
+    doc = json.loads(path.read_text())
+    text = (ROOT / "docs" / "examples.md").read_text()
+    heading = "## Adaptive precision: `precision_char.py`"
+    assert heading in text
+    section = text[text.index(heading) :]
+    section = section[: section.index("\n## ", 1)]
+    for line in pc.markdown_table(doc["summary"]).splitlines():
+        assert line in section, line
+    commands = [
+        vars(pc.parse_args(shlex.split(c)))
+        for c in re.findall(r"^python examples/precision_char\.py(.*)$", section, re.M)
+    ]
+    config = doc["config"]
+    assert any(
+        {k: v for k, v in c.items() if k in config} == config for c in commands
+    ), (config, commands)
