@@ -106,6 +106,13 @@ ARGS = {
         *("--seeds", "0", "--eval-every", "30"),
         *("--runs", "bf16", "fp8-current"),
     ],
+    # The plan row on a tiny model (fp32 and bf16 always run):
+    # tests/test_precision_example.py runs every row.
+    "precision_char.py": [
+        *("--seeds", "0", "--eval-every", "30", "--eval-batches", "1"),
+        *("--dim", "16", "--heads", "2", "--layers", "1", "--calibration", "1"),
+        *("--rows", "plan"),
+    ],
     "padded_lm.py": [
         *("--runs", "fp32,fp16-autocast", "--context", "16", "--dim", "16"),
         *("--layers", "1", "--heads", "2", "--mlp-dim", "32", "--batch", "4"),
