@@ -94,12 +94,12 @@ def test_rows_from_the_sensor():
         assert pc.speed_ratio(dict.fromkeys("abc", F.FLOAT8), measures, kind) < 1
 
 
-@pytest.mark.parametrize("width", [64, 256])
-def test_docs_tables_are_the_committed_runs(width):
+@pytest.mark.parametrize("name", ["64", "256", "256_300"])
+def test_docs_tables_are_the_committed_runs(name):
     """docs/examples.md shows the committed runs' tables (from their JSON, by
     the script's own ``markdown_table``) and the commands that made them."""
     pc = _module()
-    path = ROOT / "docs" / "_static" / f"precision_char_{width}.json"
+    path = ROOT / "docs" / "_static" / f"precision_char_{name}.json"
     doc = json.loads(path.read_text())
     text = (ROOT / "docs" / "examples.md").read_text()
     heading = "## Adaptive precision: `precision_char.py`"
