@@ -38,10 +38,7 @@ def x_of(scale):
 
 
 def half_plan(p):
-    allowed = {F.HALF, F.HALF_WIDE, F.FLOAT32}
-    plan = jxs.plan_precision(loss, jnp.float16, cost="H100", allowed=allowed)(
-        p, x_of(1.0)
-    )
+    plan = jxs.plan_precision(loss, jnp.float16, cost="H100")(p, x_of(1.0))
     for s in plan.sites:
         plan = plan.replace(s.site, F.HALF)
     return plan
