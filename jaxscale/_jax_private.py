@@ -89,6 +89,7 @@ __all__ = [
     "eqn_context",
     "integer_pow_exponent",
     "jit_body",
+    "jit_name",
     "manual_axes",
     "mark_varying",
     "name_stack_text",
@@ -262,6 +263,11 @@ def _has(params: Mapping[str, Any], *keys: str) -> bool:
 # --------------------------------------------------------------------------- #
 # Structural facts of each construct (None: parameters not understood)
 # --------------------------------------------------------------------------- #
+
+
+def jit_name(eqn: Any) -> str:
+    """The name of a ``jit`` equation (its function's ``__name__``), or ``""``."""
+    return str(eqn.params.get("name", ""))
 
 
 def jit_body(eqn: Any) -> Any:

@@ -1,8 +1,12 @@
-"""Attention scores that would overflow float16: a matmul whose result the
-function widens to float32 anyway (on its way to a softmax) accumulates and
-comes out in float32, as torch's fused attention and JAX's
-``preferred_element_type=float32`` keep scores; its backward stays in the
-autocast dtype."""
+"""Attention under autocast (issue 47). A float16 product whose result is
+scaled on its way to a softmax (scores ``q @ k.T * scale``) accumulates and
+takes its scale in float32 and is rounded to float16 once, after the scale: a
+score overflows only where the *scaled* score exceeds 65504, and the step keeps
+16-bit scores, as a hand-cast one does. bfloat16 products are never widened
+(float32's range). ``rules={"dot_general": "wide"}`` keeps every score in
+float32 (the 0.3.0 rule). ``jax.nn.dot_product_attention`` runs cuDNN's fused
+kernel where the step is lowered for CUDA; its backward stays in the autocast
+dtype."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ pytestmark = pytest.mark.core
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
 B, T, N, H = 2, 16, 2, 64
+WIDE = {"dot_general": "wide"}
 
 
 def qkv(peak, seed=0):
@@ -41,20 +46,27 @@ def score_dtypes(fn, *args):
     ]
 
 
-# Not "cudnn": jax refuses float32 inputs there as the function is traced, so a
-# float32 function cannot ask for it (docs/autocast.md, attention).
+def softmax_input_dtypes(fn, *args):
+    """The dtypes of the values the softmaxes' row maxima read."""
+    return [
+        np.dtype(e.invars[0].aval.dtype)
+        for e in all_eqns(jax.make_jaxpr(fn)(*args))
+        if e.primitive.name == "reduce_max"
+    ]
+
+
 @pytest.mark.parametrize("impl", [None, "xla"], ids=str)
-@pytest.mark.parametrize("peak", [7e4, 1e6, 1e9])
-def test_dot_product_attention_stays_finite_where_float32_is(impl, peak):
-    """Scores above float16's 65504 (the issue's case: 66,000) up to 1e9, where
-    float16 operands hold 2e5 each and their product only float32 holds."""
+@pytest.mark.parametrize("peak", [7e4, 1e5, 5e5])
+def test_dot_product_attention_stays_finite_where_the_scaled_scores_fit(impl, peak):
+    """``|q . k|`` above float16's 65504 (the issue's case: 66,000) up to 5e5:
+    with jax's scale 1/8 the scaled scores fit float16, and the product is
+    rounded only after the scale."""
     q, k, v = qkv(peak)
 
     def f(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, implementation=impl, scale=1.0)
+        return jax.nn.dot_product_attention(q, k, v, implementation=impl)
 
     ref = jax.jit(f)(q, k, v)
-    assert np.isfinite(ref).all()
     got = jax.jit(jxs.autocast(f, jnp.float16))(q, k, v)
     assert got.dtype == F32
     assert np.isfinite(got).all()
@@ -62,11 +74,35 @@ def test_dot_product_attention_stays_finite_where_float32_is(impl, peak):
     assert float(jnp.abs(jnp.einsum("btnh,bsnh->bnts", q, k)).max()) > 0.99 * peak
 
 
+@pytest.mark.parametrize("peak", [7e4, 1e6, 1e9])
+def test_wide_rule_keeps_unscaled_scores_finite_up_to_float32(peak):
+    """``scale=1.0`` and scores up to 1e9 (float16 operands hold 2e5 each; only
+    float32 holds their product): the default rounds the scaled score to
+    float16 (inf above 65504, as a hand-cast step), ``"wide"`` keeps it."""
+    q, k, v = qkv(peak)
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=1.0)
+
+    ref = jax.jit(f)(q, k, v)
+    assert np.isfinite(ref).all()
+    got = jax.jit(jxs.autocast(f, jnp.float16, rules=WIDE))(q, k, v)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))
+    default = jax.jit(jxs.autocast(f, jnp.float16))(q, k, v)
+    assert not np.isfinite(default).all()  # the documented limit, loud (NaN)
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
-def test_scores_come_out_in_float32_and_values_in_the_compute_dtype(dtype):
+def test_scores_reach_the_softmax_in_the_compute_dtype(dtype):
+    """float16: the score product accumulates in float32 and is rounded after
+    jax's scale; bfloat16: a plain bfloat16 product. Either way the softmax
+    reads 16-bit scores (the hand-cast step's memory), and both matmuls take
+    operands in the compute dtype."""
     q, k, v = qkv(100.0)
     f = jxs.autocast(jax.nn.dot_product_attention, dtype)
-    assert score_dtypes(f, q, k, v) == [F32, dtype]
+    assert score_dtypes(f, q, k, v) == [F32 if dtype == F16 else dtype, dtype]
+    assert softmax_input_dtypes(f, q, k, v) == [dtype]
     dots = [
         e
         for e in all_eqns(jax.make_jaxpr(f)(q, k, v))
@@ -74,6 +110,20 @@ def test_scores_come_out_in_float32_and_values_in_the_compute_dtype(dtype):
     ]
     for e in dots:  # operands in the compute dtype, both matmuls
         assert {np.dtype(x.aval.dtype) for x in e.invars} == {dtype}, e
+    wide = jxs.autocast(jax.nn.dot_product_attention, dtype, rules=WIDE)
+    assert score_dtypes(wide, q, k, v) == [F32, dtype]
+    assert softmax_input_dtypes(wide, q, k, v) == [F32]
+
+
+def test_an_unscaled_float16_product_is_not_widened():
+    """No scale follows: nothing to take in float32, the product is float16."""
+    q, k, v = qkv(100.0)
+
+    def attend(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+    assert score_dtypes(jxs.autocast(attend, jnp.float16), q, k, v) == [F16, F16]
 
 
 def test_the_backward_matmuls_stay_in_float16():
@@ -119,17 +169,21 @@ def test_forward_mode_through_wide_scores():
     np.testing.assert_allclose(tangent, ref, atol=0.05 * float(np.abs(ref).max()))
 
 
-def test_hand_written_attention_with_a_mask_stays_finite():
+@pytest.mark.parametrize("rules", [None, WIDE], ids=["default", "wide"])
+def test_hand_written_attention_with_a_mask_stays_finite(rules):
+    """Scores ``|q . k|`` of 3e5 scaled by 1/8 (37,500: float16 holds it) stay
+    finite by default; ``"wide"`` also keeps them unscaled (3e5)."""
     q, k, v = qkv(3e5)
     mask = jnp.tril(jnp.ones((T, T), bool))
+    scale = 0.125 if rules is None else 1.0
 
     def attend(q, k, v):
-        s = jnp.einsum("btnh,bsnh->bnts", q, k)
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
         s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bnts,bsnh->btnh", p, v)
 
-    got = jax.jit(jxs.autocast(attend, jnp.float16))(q, k, v)
+    got = jax.jit(jxs.autocast(attend, jnp.float16, rules=rules))(q, k, v)
     ref = jax.jit(attend)(q, k, v)
     kept = jnp.where(mask, jnp.einsum("btnh,bsnh->bnts", q, k), 0.0)
     assert float(jnp.abs(kept).max()) > 65504  # beyond float16
@@ -137,14 +191,18 @@ def test_hand_written_attention_with_a_mask_stays_finite():
     np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))
 
 
-def test_flax_attention_with_a_mask_stays_finite():
+@pytest.mark.parametrize(
+    ("factor", "rules"), [(40.0, None), (150.0, WIDE)], ids=["default", "wide"]
+)
+def test_flax_attention_with_a_mask_stays_finite(factor, rules):
+    """Flax scales the query before the product: scores near 4e4 (default) fit
+    float16; near 1e5 they need ``"wide"``."""
     x = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, 32)), jnp.float32)
     mha = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)
     variables = mha.init(jax.random.key(0), x)
-    # Large query and key weights: scores near 1e5.
     big = jax.tree.map(lambda a: a, variables)
-    big["params"]["query"]["kernel"] = variables["params"]["query"]["kernel"] * 150.0
-    big["params"]["key"]["kernel"] = variables["params"]["key"]["kernel"] * 150.0
+    big["params"]["query"]["kernel"] = variables["params"]["query"]["kernel"] * factor
+    big["params"]["key"]["kernel"] = variables["params"]["key"]["kernel"] * factor
     mask = nn.make_causal_mask(jnp.ones((B, T)))
 
     def f(variables, x):
@@ -162,12 +220,13 @@ def test_flax_attention_with_a_mask_stays_finite():
         + p["key"]["bias"][None, None]
     )
     scores = jnp.einsum("btnh,bsnh->bnts", qh / np.sqrt(qh.shape[-1]), kh)
-    assert float(jnp.abs(scores).max()) > 65504  # beyond float16
-    got = jax.jit(jxs.autocast(f, jnp.float16))(big, x)
+    top = float(jnp.abs(scores).max())
+    assert (top > 65504) == (rules is not None), top
+    got = jax.jit(jxs.autocast(f, jnp.float16, rules=rules))(big, x)
     assert np.isfinite(got).all()
-    # At scores near 1e5, float16 projections move a score by ~1e2, which may
-    # flip a softmax between near-tied keys (as bfloat16 would): the mean
-    # deviation, not the largest, is the measure.
+    # Large scores: float16 projections move a score by ~1e2, which may flip a
+    # softmax between near-tied keys (as bfloat16 would): the mean deviation,
+    # not the largest, is the measure.
     scale = float(jnp.mean(jnp.abs(ref)))
     assert float(jnp.mean(jnp.abs(got - ref))) < 0.05 * scale
 

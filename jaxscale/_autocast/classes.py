@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
@@ -66,7 +67,9 @@ __all__ = [
     "Promote",
     "RuleClass",
     "Traced",
+    "FOLD_NOTE",
     "WIDE_NOTE",
+    "Wide",
     "Unplugged",
     "follow_operands",
     "plugin_classes",
@@ -152,10 +155,16 @@ class Promote(RuleClass):
 class Lower(RuleClass):
     """``"lower"``: castable operands to the autocast dtype (float32 if a
     constant would not survive it); the outputs are *lowered* (the bias rule).
-    A ``dot_general`` whose result is widened to float32 anyway (attention
-    scores on their way to a softmax: :mod:`jaxscale._autocast.lookahead`)
-    accumulates and comes out in float32, its backward in the autocast dtype
-    as before (:func:`wide_product`)."""
+
+    A float16 ``dot_general`` whose result is multiplied or divided by a scalar
+    on its way to float32 work (attention scores ``q @ k.T * scale`` into a
+    softmax: :mod:`jaxscale._autocast.lookahead`) accumulates in float32, takes
+    its scale in float32 and is rounded to float16 once, after the scale: a
+    score overflows only where the *scaled* score exceeds 65504, and the step
+    keeps 16-bit scores, as a hand-cast one does (:func:`wide_product`; the
+    interpreter rounds the scale's output). bfloat16 has float32's range: its
+    products are never widened. ``"wide"`` (:class:`Wide`) keeps the whole
+    product in float32 instead."""
 
     __slots__ = ()
 
@@ -175,20 +184,32 @@ class Lower(RuleClass):
                     it.mark_wide_gradient(c, v)
         return cast, None
 
+    def wide_result(self, it: Interpreter, eqn: Any, params: Any, vals: list) -> bool:
+        """Whether the product comes out in float32 (see the class docstring)."""
+        return (
+            _widens(it, eqn, params, vals)
+            and _narrow_range(it.dtype)
+            and it.fold_of(eqn) is not None
+        )
+
     def adjust_params(self, it, eqn, vals, traced):
         params = super().adjust_params(it, eqn, vals, traced)
-        if _widens(it, eqn, params, vals):
+        if self.wide_result(it, eqn, params, vals):
             params = with_preferred_element_type(params, _F32)
         return params
 
     def emit(self, it, eqn, params, vals):
-        if _widens(it, eqn, params, vals):
-            it.note(WIDE_NOTE)
+        if self.wide_result(it, eqn, params, vals):
+            self.note_wide(it, eqn)
             return [wide_product(eqn.primitive, params, vals[0], vals[1])]
         sources = [it.wide_gradient_source(v) for v in vals]
         if any(s is not None for s in sources):
             return [wide_gradient_product(eqn.primitive, params, vals, sources)]
         return bind(eqn.primitive, params, vals)
+
+    def note_wide(self, it: Interpreter, eqn: Any) -> None:
+        it.note(FOLD_NOTE)
+        it.narrow_after(it.fold_of(eqn))
 
     def out_infos(self, it, eqn, infos, outs):
         return [
@@ -199,9 +220,33 @@ class Lower(RuleClass):
         ]
 
 
+class Wide(Lower):
+    """``"wide"``: ``"lower"``, except that a ``dot_general`` whose result the
+    function widens to float32 anyway (attention scores into a softmax)
+    accumulates and comes out in float32, in float16 and bfloat16 alike, its
+    backward in the autocast dtype: scores finite up to float32's range, at
+    twice the 16-bit scores' memory and bytes on a GPU (docs/autocast.md)."""
+
+    __slots__ = ()
+
+    def wide_result(self, it, eqn, params, vals):
+        return _widens(it, eqn, params, vals)
+
+    def note_wide(self, it, eqn):
+        it.note(WIDE_NOTE)
+
+
 # The note of a product that comes out in float32 by the widening rule (the
 # report counts it as float32 work, not as an island).
 WIDE_NOTE = "float32 output: what uses it widens it to float32 anyway"
+# The note of a float16 product whose scale is applied before it is rounded.
+FOLD_NOTE = "float32 accumulation and scale, rounded to 16 bits after the scale"
+
+
+def _narrow_range(dtype: np.dtype) -> bool:
+    """A 16-bit dtype whose range is far narrower than float32's (float16, not
+    bfloat16, whose largest finite value is float32's to 3 digits)."""
+    return float(jnp.finfo(dtype).max) < 1e30
 
 
 def _widens(it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list) -> bool:
@@ -449,6 +494,7 @@ RULE_CLASSES: Mapping[AutocastRule, RuleClass] = MappingProxyType(
         Rule.LOOKUP: Lookup(),
         Rule.TRACED: Traced(),
         Rule.FLOAT8: Unplugged(),
+        Rule.WIDE: Wide(),
     }
 )
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._autocast import attention
 from jaxscale._autocast.classes import (
     RULE_CLASSES,
     PluginRule,
@@ -437,7 +438,8 @@ def interpret(
 
     flat.__name__ = getattr(fun, "__name__", "fun")
     dyn = [leaves[i] for i in dynamic]
-    closed = jax.make_jaxpr(flat)(*dyn)
+    with attention.intercepting():  # jax.nn.dot_product_attention: fused
+        closed = jax.make_jaxpr(flat)(*dyn)
     with jax.named_scope(f"{REGION_PREFIX}_{it.dtype.name}"):
         infos = [
             input_info(leaves[i], wide is None or wide(_path(with_paths[i][0])))

@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from jaxscale._autocast import attention
 from jaxscale._autocast.interp import Interpreter, Unrewritable
 from jaxscale._autocast.values import (
     Info,
@@ -121,6 +122,14 @@ def _carry_dtypes(traced: Sequence[Any], init: Sequence[Any]) -> list[np.dtype]:
 
 def _jit(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) -> Result:
     body = jit_body(eqn)
+    if body is not None and attention.is_attention(eqn) and not it.enters_owned:
+
+        def written(*xs: Any) -> tuple[list[Any], list[Info]]:
+            return it.eval_closed(body, xs, infos)
+
+        fused = attention.run(it, eqn, vals, infos, written)
+        if fused is not None:
+            return fused
     if body is None:
         return None
     if it.ext.inline_calls:  # inlined: what it reads is the caller's

@@ -36,7 +36,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxscale._autocast.classes import RULE_CLASSES, RuleClass
-from jaxscale._autocast.lookahead import widened
+from jaxscale._autocast.lookahead import folds, widened
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
     Info,
@@ -222,6 +222,13 @@ class Interpreter:
         self._widening: frozenset[Any] = frozenset()
         self._lookahead: dict[tuple[Any, tuple[bool, ...]], frozenset[Any]] = {}
         self._outer: tuple[bool, ...] | None = None
+        # The scalings that follow products (lookahead.folds) per jaxpr, those
+        # of the jaxpr being evaluated, and the scalings whose outputs are
+        # rounded to the autocast dtype (their product was widened to take the
+        # scale in float32: ``Lower``).
+        self._folds_of: dict[Any, dict[Any, Any]] = {}
+        self._folds: dict[Any, Any] = {}
+        self._narrowing: set[int] = set()
         self._owned = 0  # the depth of owned higher-order equations entered
 
     @property
@@ -280,6 +287,9 @@ class Interpreter:
         if key not in self._lookahead:
             self._lookahead[key] = widened(jaxpr, self.table, outer)
         saved_wide, self._widening = self._widening, self._lookahead[key]
+        if jaxpr not in self._folds_of:
+            self._folds_of[jaxpr] = folds(jaxpr)
+        saved_folds, self._folds = self._folds, self._folds_of[jaxpr]
 
         def read(atom: Any) -> tuple[Any, Info]:
             if isinstance(atom, jcore.Literal):
@@ -300,6 +310,7 @@ class Interpreter:
                     env[var] = (o, i)
         finally:
             self._widening = saved_wide
+            self._folds = saved_folds
         results = [read(v) for v in jaxpr.outvars]
         return [r[0] for r in results], [r[1] for r in results]
 
@@ -307,6 +318,16 @@ class Interpreter:
         """Whether ``eqn``'s first output is widened to float32 anyway by what
         uses it (:func:`jaxscale._autocast.lookahead.widened`)."""
         return bool(eqn.outvars) and eqn.outvars[0] in self._widening
+
+    def fold_of(self, eqn: Any) -> Any:
+        """The scaling equation that follows the product ``eqn`` in the jaxpr
+        being evaluated (:func:`jaxscale._autocast.lookahead.folds`), or None."""
+        return self._folds.get(eqn)
+
+    def narrow_after(self, eqn: Any) -> None:
+        """Round the outputs of ``eqn`` (a scaling, evaluated next) to the
+        autocast dtype: its product was widened only to take the scale."""
+        self._narrowing.add(id(eqn))
 
     def eval_jaxpr(
         self,
@@ -369,6 +390,10 @@ class Interpreter:
                 self.cast(o, out_dtype) if is_castable(dtype_of(o)) else o for o in outs
             ]
         out_infos = cls.out_infos(self, eqn, infos, outs)
+        if id(eqn) in self._narrowing:  # a widened product's scale: round once
+            self._narrowing.discard(id(eqn))
+            outs = [self.cast(o, self.dtype) for o in outs]
+            out_infos = [i._replace(lowered=True) for i in out_infos]
         if self.observer is not None:
             self.observer(
                 Record(

@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._jax_private import call_like_body
 
-__all__ = ["PASSES", "SCALINGS", "widened"]
+__all__ = ["PASSES", "SCALINGS", "folds", "widened"]
 
 # Steps a widening value may pass through: their outputs are as wide as their
 # operands, cost the same in float32 inside one fusion, and their derivatives
@@ -125,3 +125,32 @@ def widened(
 
     state = _verdicts(jaxpr, is_float32, outer)
     return frozenset(v for v, verdict in state.items() if verdict == _WIDE)
+
+
+def folds(jaxpr: Any) -> dict[Any, Any]:
+    """``{dot_general equation: the scaling that follows it}``: a product whose
+    only use is a multiplication by a scalar, or a division by one (attention
+    scores ``q @ k.T * scale``). Under float16 autocast such a product, when it
+    widens, accumulates and takes its scale in float32 and is rounded once,
+    after the scale (:class:`jaxscale._autocast.classes.Lower`)."""
+    uses: dict[Any, list[tuple[Any, int]]] = {}
+    for eqn in jaxpr.eqns:
+        for i, v in enumerate(eqn.invars):
+            if not isinstance(v, jcore.Literal):
+                uses.setdefault(v, []).append((eqn, i))
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    found: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "dot_general" or len(eqn.outvars) != 1:
+            continue
+        var = eqn.outvars[0]
+        used = uses.get(var, [])
+        if var in outs or len(used) != 1:
+            continue
+        user, index = used[0]
+        name = user.primitive.name
+        if name not in SCALINGS or (name == "div" and index != 0):
+            continue
+        if _scaling(user, index):
+            found[eqn] = user
+    return found

@@ -87,6 +87,14 @@ class AutocastRule(enum.StrEnum):
       per-tensor scales (operands in float8_e4m3fn, the gradient in
       float8_e5m2, output in ``dtype``; ``docs/float8.md``); any other
       ``dot_general`` is ``LOWER``. Only valid together with ``float8=``.
+    - ``WIDE`` (``"wide"``): ``LOWER``, except that a ``dot_general`` whose
+      result the function widens to float32 anyway (attention scores on their
+      way to a softmax) accumulates and comes out in float32, in float16 and
+      bfloat16 alike: scores finite up to float32's range, at twice the memory
+      of 16-bit scores on a GPU. Under ``LOWER`` only a float16 product followed
+      by a scalar scale is widened, and only until the scale has been applied
+      (``docs/autocast.md``, attention). Opt in with
+      ``rules={"dot_general": "wide"}``.
     - ``TRACED`` (``"traced"``): castable operands are cast back to the dtypes they
       had when the function was traced, so the primitive runs exactly as written.
       Primitives missing from the table get this rule, so do regions under
@@ -108,6 +116,7 @@ class AutocastRule(enum.StrEnum):
     LOOKUP = "lookup"
     TRACED = "traced"
     FLOAT8 = "float8"
+    WIDE = "wide"
 
 
 _LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")

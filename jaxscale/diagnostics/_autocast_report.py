@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast.classes import WIDE_NOTE
+from jaxscale._autocast.classes import FOLD_NOTE, WIDE_NOTE
 from jaxscale._autocast.entry import interpret, resolve
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.rules import AutocastRule
@@ -241,7 +241,7 @@ def _build(
         for note in e["notes"]:
             if note.startswith("float8"):  # the recipe's choice, site or not
                 float8.append(_site(e, note))
-            elif note != WIDE_NOTE:
+            elif note not in (WIDE_NOTE, FOLD_NOTE):
                 group = constants if note.startswith("constant") else norms
                 group.append(_site(e, note))
     if deviation is not None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxscale._autocast.classes import WIDE_NOTE
+from jaxscale._autocast.classes import FOLD_NOTE, WIDE_NOTE
 from jaxscale._autocast.gradients import DOT_ALGORITHMS
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import (
@@ -344,7 +344,9 @@ class Census(_Walker):
         )
         from_island = any(self.flags(eqn.invars))
         eligible = rec.rule not in (AutocastRule.FLOAT32, AutocastRule.TRACED)
-        eligible = eligible and WIDE_NOTE not in rec.notes  # float32 by design
+        eligible = eligible and not {WIDE_NOTE, FOLD_NOTE} & set(
+            rec.notes
+        )  # float32 by design
         carried = eligible and (from_low or from_island) and self.dtype != _F32
         self._set(eqn.outvars, [carried and self._wide(o) for o in rec.outs])
         key = _key(path, eqn)
