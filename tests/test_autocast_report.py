@@ -156,15 +156,23 @@ class Attention(nn.Module):
         return nn.MultiHeadDotProductAttention(num_heads=2)(x, x, mask=mask)
 
 
-def test_flax_attention_masks_float32_scores_without_saturating():
-    """Flax's attention scores go to a softmax: they come out of their matmul in
-    float32 (the widening rule), so its ``finfo(float32).min`` mask applies in
-    float32 and no constant needs saturating."""
+def test_flax_attention_masks_16_bit_scores_with_a_saturated_constant():
+    """Flax's attention scores (its query scaled before the product) reach the
+    mask in float16, as a hand-cast step's do: its ``finfo(float32).min`` is
+    saturated to float16's finite range and the mask applies in float16. With
+    ``"wide"`` (float32 scores) the mask applies in float32 and no constant
+    needs saturating."""
     tok = jnp.array([[3, 1, 4, 0, 0], [5, 9, 2, 6, 0]], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (2, 5, 16))
     model = Attention()
     variables = jax.eval_shape(model.init, jax.random.key(1), x, tok)
     report = autocast_report(model.apply)(variables, x, tok)
+    (site,) = report.constants
+    assert site.primitive == "select_n" and "saturated" in site.note
+    assert report.islands == ()
+    assert dict(report.by_primitive["select_n"]) == {"float16": 1}
+    wide = autocast_report(model.apply, rules={"dot_general": "wide"})
+    report = wide(variables, x, tok)
     assert report.constants == ()
     assert report.islands == ()
     assert dict(report.by_primitive["select_n"]) == {"float32": 1}

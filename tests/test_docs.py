@@ -204,7 +204,7 @@ def test_the_test_command_also_runs_the_avx2_pass_the_floors_and_the_ceiling():
     drop out."""
     tests = _readme_commands()["Tests"]
     assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2" in tests
-    assert tests.rstrip().endswith("&& .ci/floors && .ci/ceiling")
+    assert tests.rstrip().endswith("&& .ci/floors && .ci/ceiling && .ci/gpu-budget")
     floors = (ROOT / ".ci" / "floors").read_text()
     assert "set -euo pipefail" in floors and "rm -rf .venv-floors" in floors
     for name in ("jax", "optax", "flax"):
@@ -213,6 +213,9 @@ def test_the_test_command_also_runs_the_avx2_pass_the_floors_and_the_ceiling():
     assert "set -euo pipefail" in ceiling and "rm -rf .venv-ceiling" in ceiling
     assert "pip install -q -U jax jaxlib flax optax equinox" in ceiling
     assert "sys.version_info < (3, 12)" in ceiling  # jax 0.11 needs Python 3.12
+    budget = (ROOT / ".ci" / "gpu-budget").read_text()
+    assert "set -euo pipefail" in budget and "jax-cuda12-plugin==" in budget
+    assert "tests/test_gpu_budget.py" in budget
 
 
 @pytest.mark.parametrize("name", jxs.diagnostics.__all__)
