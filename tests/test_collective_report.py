@@ -330,7 +330,7 @@ ENTRY %main (x: f16[8,9], y: f16[8]) -> f16[88] {
   %x = f16[8,9]{1,0} parameter(0)
   %y = f16[8]{0} parameter(1)
   %conv = (f16[8,3,3]{2,1,0}, u8[0]{0}) custom-call(%x), custom_call_target="c", \
-metadata={op_name="jit(step)/transpose(jvp(jxs_autocast_float16))/Net/conv1/conv"}
+metadata={op_name="jit(step)/transpose(jvp(jxs_autocast_float16))/Net/conv1/cond/branch_1_fun/conv"}
   %k = f16[8,3,3]{2,1,0} get-tuple-element(%conv), index=0
   %kf = f16[72]{0} bitcast(%k)
   %r = f16[8]{0} fusion(%x), kind=kInput, calls=%sum, metadata={op_name=\

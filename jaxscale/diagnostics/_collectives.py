@@ -157,7 +157,8 @@ def _segments(op_name: str) -> list[str]:
 
 def _source(op_name: str) -> str:
     """The name stack without the outer ``jit``, transformations' wrappers,
-    ``shard_map``, autocast's own scopes and the primitive:
+    ``shard_map``, autocast's own scopes, ``lax.cond``'s branches and the
+    primitive:
     ``jit(f)/transpose(jvp(MLP))/Dense_0/dot`` gives ``MLP/Dense_0``. A
     backward operation's stack ends with its forward one in full
     (``transpose(jvp(Net))/bn0/jvp(Net)/bn0/reduce_sum``): that is kept."""
@@ -172,7 +173,11 @@ def _source(op_name: str) -> str:
         while m and m.group(1) in _WRAPPERS:
             seg = m.group(2)
             m = re.fullmatch(r"(\w+)\((.*)\)", seg)
-        out += [p for p in _segments(seg) if p and not p.startswith(REGION_PREFIX)]
+        for part in _segments(seg):
+            if re.fullmatch(r"branch_\d+_fun", part):  # lax.cond's, in its "cond"
+                out = out[:-1] if out and out[-1] == "cond" else out
+            elif part and not part.startswith(REGION_PREFIX):
+                out.append(part)
     for at in reversed(restarts):
         if 0 < at < len(out) and out[at] == out[0]:
             return "/".join(out[at:])
