@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale._jax_private import manual_axes, mark_varying, varying_axes
+from jaxscale._scope import FINITE_SCOPE
 
 __all__ = [
     "FINITE_SCOPE",
@@ -32,9 +33,6 @@ __all__ = [
     "place_replicated",
 ]
 
-#: The name scope of the finite check (its flags' collectives carry it in the
-#: compiled program's metadata: ``jxs.diagnostics.collective_report`` reads it).
-FINITE_SCOPE = "jaxscale_finite_check"
 
 #: What ``axis_name`` accepts: one mapped axis, or several (reduced over all).
 AxisName = str | tuple[str, ...]

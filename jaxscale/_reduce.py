@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from jaxscale._distributed import explain_unbound, gather_invariant
 from jaxscale._jax_private import manual_axes, varying_axes
+from jaxscale._scope import BLOCK_SCALES_SCOPE, REDUCE_MEAN_SCOPE
 
 __all__ = [
     "ReduceGradientsState",
@@ -174,20 +175,25 @@ def _mean_of(
     """``f32[n * k]``: the mean over the axis of ``x`` (``f32[n, k]``, row ``i``
     for device ``i``), the same on every device; and ``f32[k]``, what rounding
     this device's chunk of the mean (plus ``carried``) to the wire lost."""
-    q, scale = _quantize(x, wire, block)
-    q = lax.all_to_all(q, axis_name, 0, 0, tiled=True)
-    if scale is not None:
-        scale = lax.all_to_all(scale, axis_name, 0, 0, tiled=True)
-    mean = jnp.sum(_dequantize(q, scale, block), axis=0) / np.float32(n)
-    if carried is not None:
-        mean = mean + carried
-    q, scale = _quantize(mean[None], wire, block)
-    lost = mean - _dequantize(q, scale, block)[0]
-    q = gather_invariant(q[0], axis_name)
-    if scale is None:
-        return q.astype(_F32), lost
-    scale = gather_invariant(scale[0], axis_name)
-    return _dequantize(q[None], scale[None], block)[0], lost
+    # The scopes name the collectives in the compiled program's metadata
+    # (``jxs.diagnostics.collective_report``: "reduce_mean", its scales).
+    with jax.named_scope(REDUCE_MEAN_SCOPE):
+        q, scale = _quantize(x, wire, block)
+        q = lax.all_to_all(q, axis_name, 0, 0, tiled=True)
+        if scale is not None:
+            with jax.named_scope(BLOCK_SCALES_SCOPE):
+                scale = lax.all_to_all(scale, axis_name, 0, 0, tiled=True)
+        mean = jnp.sum(_dequantize(q, scale, block), axis=0) / np.float32(n)
+        if carried is not None:
+            mean = mean + carried
+        q, scale = _quantize(mean[None], wire, block)
+        lost = mean - _dequantize(q, scale, block)[0]
+        q = gather_invariant(q[0], axis_name)
+        if scale is None:
+            return q.astype(_F32), lost
+        with jax.named_scope(BLOCK_SCALES_SCOPE):
+            scale = gather_invariant(scale[0], axis_name)
+        return _dequantize(q[None], scale[None], block)[0], lost
 
 
 class _Flat(NamedTuple):

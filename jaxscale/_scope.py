@@ -7,6 +7,10 @@ for the duration of the trace; the code reached inside (a float8 site, a
 cotangent probe) reads the innermost value. The stack is thread-local, so two
 threads tracing at once do not see each other's values, and it is empty again
 when the trace ends, whatever happens inside.
+
+It also holds the names of the ``jax.named_scope`` around each of jaxscale's own
+collectives: they reach the compiled program's metadata (``op_name``), where
+:func:`jaxscale.diagnostics.collective_report` reads what a collective carries.
 """
 
 from __future__ import annotations
@@ -16,7 +20,26 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Scope"]
+__all__ = [
+    "AMAX_SCOPE",
+    "BLOCK_SCALES_SCOPE",
+    "FINITE_SCOPE",
+    "FLOAT8_GATHER_SCOPE",
+    "REDUCE_MEAN_SCOPE",
+    "Scope",
+]
+
+#: The finite check of :func:`jaxscale.dynamic_scaling` (its flags' reductions).
+FINITE_SCOPE = "jaxscale_finite_check"
+#: A float8 scale's amax reduced over devices (``jaxscale.float8``).
+AMAX_SCOPE = "jaxscale_amax"
+#: The float8 all-gather of :func:`jaxscale.float8.all_gather` (its bits).
+FLOAT8_GATHER_SCOPE = "jaxscale_float8_gather"
+#: The all-to-all and all-gather of :func:`jaxscale.reduce_mean` and
+#: :func:`jaxscale.reduce_gradients`; inside it, :data:`BLOCK_SCALES_SCOPE`
+#: around those of their float32 block scales.
+REDUCE_MEAN_SCOPE = "jaxscale_reduce_mean"
+BLOCK_SCALES_SCOPE = "jaxscale_block_scales"
 
 
 class Scope:

@@ -314,6 +314,138 @@ def test_async_pairs_count_once_and_combined_ones_per_array():
     )
 
 
+# XLA:GPU's combiner: one flat all-reduce of a concatenation (inside a fusion)
+# of flattened arrays; each array keeps the op_name of what made it.
+FLAT = """HloModule m, num_partitions=8
+
+%concat (p0: f16[8], p1: f16[72], p2: f16[8]) -> f16[88] {
+  %p0 = f16[8]{0} parameter(0)
+  %p1 = f16[72]{0} parameter(1)
+  %b2 = f16[8]{0} bitcast(f16[8]{0} %p2)
+  %p2 = f16[8]{0} parameter(2)
+  ROOT %c = f16[88]{0} concatenate(%p0, %p1, %b2), dimensions={0}
+}
+
+ENTRY %main (x: f16[8,9], y: f16[8]) -> f16[88] {
+  %x = f16[8,9]{1,0} parameter(0)
+  %y = f16[8]{0} parameter(1)
+  %conv = (f16[8,3,3]{2,1,0}, u8[0]{0}) custom-call(%x), custom_call_target="c", \
+metadata={op_name="jit(step)/transpose(jvp(jxs_autocast_float16))/Net/conv1/cond/branch_1_fun/conv"}
+  %k = f16[8,3,3]{2,1,0} get-tuple-element(%conv), index=0
+  %kf = f16[72]{0} bitcast(%k)
+  %r = f16[8]{0} fusion(%x), kind=kInput, calls=%sum, metadata={op_name=\
+"jit(step)/transpose(jvp(jxs_autocast_float16))/Net/bn0/jvp(jxs_autocast_float16)\
+/Net/bn0/reduce_sum"}
+  %l = f16[8]{0} negate(%y), metadata={op_name="jit(step)/jvp(Net)/bn0/reduce_sum"}
+  %w = f16[88]{0} fusion(%r, %kf, %l), kind=kLoop, calls=%concat
+  %s = f16[88]{0} all-reduce-start(%w), replica_groups={}, to_apply=%add
+  %d = f16[88]{0} all-reduce-done(%s)
+  %u = f16[16]{0} concatenate(%y, %y), dimensions={0}, metadata={op_name="jit(f)/c"}
+  ROOT %v = f16[16]{0} all-reduce(%u), replica_groups={}, to_apply=%add
+}
+"""
+
+
+@pytest.mark.unit
+def test_flat_combined_all_reduce_is_split_into_the_arrays_it_concatenates():
+    report = REPORT.from_hlo(FLAT)
+    *parts, own = report.collectives
+    assert [(c.name, c.shape, c.dtype, c.bytes) for c in parts] == [
+        ("d[0]", (8,), "float16", 16),
+        ("d[1]", (8, 3, 3), "float16", 144),  # its shape before flattening
+        ("d[2]", (8,), "float16", 16),
+    ]
+    assert [(c.carries, c.source, c.operation) for c in parts] == [
+        ("gradient", "Net/bn0", "reduce_sum"),
+        ("gradient", "Net/conv1", "conv"),
+        ("forward", "Net/bn0", "reduce_sum"),
+    ]
+    assert {(c.instruction, c.parts) for c in parts} == {("d", 3)}
+    assert sum(c.wire_bytes for c in parts) == round(2 * 7 * 176 / 8)
+    # A concatenation of the program's own (it has an op_name) stays whole.
+    assert (own.name, own.shape, own.parts, own.carries) == ("v", (16,), 1, "unknown")
+    assert report.dtypes(carries="gradient") == ("float16",)
+    assert str(report).startswith("collective report: 4 collectives in 2 instructions")
+
+
+@pytest.mark.core
+def test_a_combined_all_reduce_of_a_flax_step_labels_each_gradient(mesh):
+    # Several small parameters: XLA:CPU combines their gradients, and the
+    # forward loss sum, into one all-reduce of a tuple; each array is a record
+    # that says which module's parameter it is the gradient of.
+    flax_linen = pytest.importorskip("flax.linen")
+
+    class MLP(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            for i in range(4):
+                x = jnp.tanh(flax_linen.Dense(8, name=f"d{i}")(x))
+            return x
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+    tx = jxs.dynamic_scaling(optax.sgd(0.1))
+
+    def step(params, opt_state, x):
+        value = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+        loss, grads = jax.value_and_grad(value)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = place(mesh, params, tx, jnp.ones((64, 8)))
+    report = jxs.diagnostics.collective_report(step)(*args)
+    grads = report.select(carries="gradient")
+    assert any(c.parts > 1 for c in grads), report  # combined
+    assert len({c.instruction for c in grads}) < len(grads)
+    assert sorted((c.source, c.operation, c.shape) for c in grads) == sorted(
+        [(f"MLP/d{i}", "dot_general", (8, 8)) for i in range(4)]
+        + [(f"MLP/d{i}", "reduce_sum", (8,)) for i in range(4)]
+    )
+    assert report.bytes(carries="gradient") == tree_bytes(params)
+    assert not report.select(carries="unknown"), report
+    # The loss's sum over the batch, in the forward pass.
+    assert [(c.shape, c.dtype) for c in report.select(carries="forward")] == [
+        ((), "float32")
+    ]
+
+
+@pytest.mark.core
+def test_reduce_mean_and_its_block_scales_are_labelled(mesh):
+    def body(grads):
+        return jxs.reduce_mean(grads, "data", wire_dtype=jnp.float16)
+
+    fun = shard_map(body, mesh, P("data"), P())
+    grads = {"a": jnp.ones((N * 8, 64)), "b": jnp.ones((N * 4,))}
+    report = jxs.diagnostics.collective_report(fun)(grads)
+    assert {(c.kind, c.dtype) for c in report.select(carries="reduce_mean")} == {
+        ("all-to-all", "float16"),
+        ("all-gather", "float16"),
+    }, report
+    scales = report.select(carries="reduce_mean scales")
+    assert {(c.kind, c.dtype) for c in scales} == {
+        ("all-to-all", "float32"),
+        ("all-gather", "float32"),
+    }
+    assert report.dtypes(carries="reduce_mean") == ("float16",)
+    assert not report.select(carries="gradient")
+    assert not report.select(carries="unknown")
+
+
+@pytest.mark.core
+@pytest.mark.usefixtures("on_cpu")
+def test_the_float8_gather_is_labelled():
+    from test_float8_gather import LAYERS, float8, fsdp_step, mesh_of, sharded
+
+    report = jxs.diagnostics.collective_report(fsdp_step(float8))(*sharded(mesh_of()))
+    gathers = report.select(carries="float8 gather")
+    assert len(gathers) == LAYERS, report
+    assert {(c.kind, c.dtype) for c in gathers} == {("all-gather", "uint8")}
+    assert report.select("all-gather") == gathers
+    # Its backward, the reduce-scatter of each weight's gradient; the amaxes.
+    assert len(report.select("reduce-scatter", "gradient")) == LAYERS
+    assert report.select(carries="amax")
+
+
 @pytest.mark.unit
 def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="`fun` must be callable"):
@@ -365,6 +497,99 @@ def test_a_deviceless_compile_for_eight_gpus():
     assert sum(math.prod(c.shape) for c in report.select(carries="gradient")) == (
         32 + 16 * 32 + 32 * 8
     )
+
+
+@pytest.mark.integration
+@pytest.mark.pinned
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason="the deviceless GPU compile needs jax-cuda12-plugin",
+)
+def test_a_conv_nets_flat_combined_all_reduces_on_eight_h200s():
+    # XLA:GPU (jax 0.10.2) combines the small gradients of a conv net into flat
+    # all-reduces of concatenated arrays (f16[3472]: two conv kernels and a
+    # BatchNorm's backward sums): each array is a record, so every conv
+    # kernel's gradient is seen, with its module.
+    nn = pytest.importorskip("flax.linen")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hlo_account
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i, features in enumerate((8, 16, 16)):
+                x = nn.Conv(features, (3, 3), name=f"conv{i}")(x)
+                x = nn.relu(nn.BatchNorm(use_running_average=False, name=f"bn{i}")(x))
+            return nn.Dense(10, name="head")(jnp.mean(x, axis=(1, 2)))
+
+    net = Net()
+    try:
+        gpus = hlo_account.gpu_mesh("h200", (N,), ("data",))
+    except NotImplementedError:  # the CUDA plugin did not register its topology
+        pytest.skip(
+            "no deviceless CUDA topology: without a GPU, set "
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts"
+        )
+    tx = jxs.dynamic_scaling(optax.sgd(0.1))
+    variables = jax.eval_shape(
+        lambda: net.init(jax.random.key(0), jnp.ones((1, 16, 16, 3)))
+    )
+
+    def step(params, stats, opt_state, x, y):
+        def loss(p):
+            apply = lambda p, x: net.apply(  # noqa: E731
+                {"params": p, "batch_stats": stats}, x, mutable=["batch_stats"]
+            )
+            logits, new = jxs.autocast(apply, jnp.float16)(p, x)
+            value = optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), y
+            ).mean()
+            return value * opt_state.loss_scale.loss_scale, new["batch_stats"]
+
+        grads, stats = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    def on(tree, spec=None):
+        sharding = NamedSharding(gpus, spec or P())
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+
+    args = (
+        on(variables["params"]),
+        on(variables["batch_stats"]),
+        on(jax.eval_shape(tx.init, variables["params"])),
+        on(jax.ShapeDtypeStruct((64 * N, 16, 16, 3), jnp.float32), P("data")),
+        on(jax.ShapeDtypeStruct((64 * N,), jnp.int32), P("data")),
+    )
+    compiled = jax.jit(step).lower(*args).compile()
+    report = REPORT.from_hlo(compiled)
+    text = compiled.as_text()
+    # A flat all-reduce of a concatenation, split into arrays of other shapes
+    # whose elements add up to the flat array's.
+    flat = {c.instruction for c in report.collectives if c.parts > 1}
+    assert flat, report
+    for name in flat:
+        (size,) = re.findall(rf"%{re.escape(name)} = \w+\[(\d+)\]", text)
+        parts = [c for c in report.collectives if c.instruction == name]
+        assert sum(math.prod(c.shape) for c in parts) == int(size)
+    grads = report.select(carries="gradient")
+    kernels = {
+        c.source: c.shape for c in grads if c.operation == "conv_general_dilated"
+    }
+    assert sorted(kernels) == ["Net/conv0", "Net/conv1", "Net/conv2"], report
+    assert {math.prod(s) for s in kernels.values()} == {
+        3 * 3 * 3 * 8,
+        3 * 3 * 8 * 16,
+        3 * 3 * 16 * 16,
+    }
+    assert {c.source for c in grads} >= {f"Net/bn{i}" for i in range(3)} | {"Net/head"}
+    # BatchNorm's batch statistics, summed over the devices in the forward pass.
+    assert {c.source for c in report.select(carries="forward")} == {
+        f"Net/bn{i}" for i in range(3)
+    }
+    assert not report.select(carries="unknown"), report
 
 
 @pytest.mark.integration

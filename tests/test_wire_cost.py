@@ -67,6 +67,19 @@ def test_each_collective_is_bytes_over_bandwidth_plus_latency_per_step(
 
 
 @pytest.mark.unit
+def test_a_combined_collective_pays_its_latency_once():
+    parts = [
+        dataclasses.replace(
+            collective("all-reduce", 4000, 4), instruction="ar", parts=2
+        )
+        for _ in range(2)
+    ]
+    t = D.wire_time(parts, link_bandwidth=1e9, latency=1e-6)
+    assert [ct.latency_seconds for ct in t.collectives] == pytest.approx([6e-6, 0.0])
+    assert t.seconds == pytest.approx(2 * 6000 / 1e9 + 6e-6)
+
+
+@pytest.mark.unit
 def test_total_exposure_and_step_time():
     cs = [collective("all-reduce", 8000, 8), collective("all-gather", 8000, 8)]
     bw = D.Bandwidth("test link", 1e6)

@@ -21,17 +21,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale._distributed import FINITE_SCOPE
+from jaxscale._autocast.interp import REGION_PREFIX
 from jaxscale._hlo import COLLECTIVE_KINDS, CollectiveOp, collectives, module_devices
+from jaxscale._scope import (
+    AMAX_SCOPE,
+    BLOCK_SCALES_SCOPE,
+    FINITE_SCOPE,
+    FLOAT8_GATHER_SCOPE,
+    REDUCE_MEAN_SCOPE,
+)
 from jaxscale.diagnostics._report_text import columns, human_bytes, typed
-from jaxscale.float8._mesh import AMAX_SCOPE
 
 __all__ = ["CARRIES", "Collective", "CollectiveReport", "collective_report"]
 
 #: What a collective can carry (:attr:`Collective.carries`).
 CARRIES = (
     "gradient", "finite flags", "amax", "argument gather", "activation gather",
-    "backward", "unknown",
+    "backward", "unknown", "forward", "float8 gather", "reduce_mean",
+    "reduce_mean scales",
 )  # fmt: skip
 _ROWS = 20  # rows in the printed report
 _HLO_TYPES = (("pred", "bool"), ("bf16", "bfloat16"), ("f8", "float8_"))
@@ -53,8 +60,11 @@ class Collective:
         which may be a transpose of yours (a gradient of ``f32[32,8]`` may cross
         as ``f32[8,32]``). XLA combines collectives
         into one of several arrays: each array is a :class:`Collective` of its
-        own (its :attr:`name` ends ``[i]``); an ``all-to-all`` of several parts
-        is one, its parts stacked on a new first axis.
+        own (its :attr:`name` ends ``[i]``), whether the instruction has a
+        tuple of operands (XLA:CPU) or one flat array concatenated of the
+        arrays flattened (XLA:GPU: a part has its shape before flattening);
+        an ``all-to-all`` of several parts is one, its parts stacked on a new
+        first axis.
       group_size: ``n``, the devices in each group that it reduces, gathers or
         exchanges over (a ``collective-permute``: the devices in its pairs).
       bytes: the bytes of its result on one device.
@@ -65,20 +75,34 @@ class Collective:
       carries: what it carries, from the ``op_name`` of its metadata (one of
         :data:`CARRIES`): ``"finite flags"`` (the check of
         :func:`jaxscale.dynamic_scaling`), ``"amax"`` (a float8 scale's
-        reduction inside ``shard_map``), ``"argument gather"`` (an all-gather
-        of an argument of the step, such as a sharded weight), ``"gradient"``
-        (a reduction in the backward pass: a gradient, or a cotangent of model
-        parallelism), ``"backward"`` (another collective of the backward pass),
-        ``"activation gather"`` (another all-gather) or ``"unknown"``.
+        reduction over devices), ``"float8 gather"`` (the float8 bits that
+        :func:`jaxscale.float8.all_gather` gathers), ``"reduce_mean"`` and
+        ``"reduce_mean scales"`` (the values and the float32 block scales
+        that :func:`jaxscale.reduce_mean` and :func:`jaxscale.reduce_gradients`
+        send), ``"argument gather"`` (an all-gather of an argument of the
+        step, such as a sharded weight), ``"gradient"`` (a reduction in the
+        backward pass: a parameter's gradient, a BatchNorm's backward sums,
+        a cotangent of model parallelism), ``"backward"`` (another collective
+        of the backward pass), ``"forward"`` (a reduction in the forward pass
+        of a differentiated function: a loss, a metric, batch statistics),
+        ``"activation gather"`` (another all-gather) or ``"unknown"`` (no
+        metadata tells: a ``psum`` outside any derivative, say).
       source: the name stack of the operation it came from, JAX's
         transformations unwrapped and the primitive left out (a Flax module
-        path, ``jax.named_scope`` names); ``""`` if there is none.
+        path, ``jax.named_scope`` names): for a gradient, the module whose
+        parameter it is; ``""`` if there is none.
       op_name: the ``op_name`` of its metadata, in full.
       name: the HLO instruction.
       groups: the device groups (a ``collective-permute``: its ``(source,
         target)`` pairs); ``()`` where XLA's text was not readable.
       computation: the HLO computation holding it (a loop body's collectives
         run once per iteration).
+      instruction: the collective instruction that moves it (the same for
+        every array that XLA combined into one).
+      parts: the arrays that instruction moves (1: not combined).
+      operation: the primitive that made it, the last part of ``op_name``
+        (for a gradient, ``"dot_general"`` or ``"conv_general_dilated"``: a
+        kernel's; ``"reduce_sum"``: a bias's, a norm's); ``""`` if none.
 
     Examples:
       >>> import jaxscale as jxs
@@ -106,6 +130,9 @@ class Collective:
     name: str
     groups: tuple[tuple[int, ...], ...]
     computation: str
+    instruction: str = ""
+    parts: int = 1
+    operation: str = ""
 
 
 def _numpy_name(hlo_dtype: str) -> str:
@@ -130,31 +157,50 @@ def _segments(op_name: str) -> list[str]:
 
 def _source(op_name: str) -> str:
     """The name stack without the outer ``jit``, transformations' wrappers,
-    ``shard_map`` and the primitive: ``jit(f)/transpose(jvp(MLP))/Dense_0/dot``
-    gives ``MLP/Dense_0``."""
-    out = []
+    ``shard_map``, autocast's own scopes, ``lax.cond``'s branches and the
+    primitive:
+    ``jit(f)/transpose(jvp(MLP))/Dense_0/dot`` gives ``MLP/Dense_0``. A
+    backward operation's stack ends with its forward one in full
+    (``transpose(jvp(Net))/bn0/jvp(Net)/bn0/reduce_sum``): that is kept."""
+    out: list[str] = []
+    restarts = []  # where a transformation's wrapper starts a stack again
     for i, seg in enumerate(_segments(op_name)[:-1]):
         if seg == "shard_map" or (i == 0 and re.match(r"p?jit\(", seg)):
             continue
         m = re.fullmatch(r"(\w+)\((.*)\)", seg)
+        if m and m.group(1) in _WRAPPERS:
+            restarts.append(len(out))
         while m and m.group(1) in _WRAPPERS:
             seg = m.group(2)
             m = re.fullmatch(r"(\w+)\((.*)\)", seg)
-        if seg:
-            out.extend(_segments(seg))
+        for part in _segments(seg):
+            if re.fullmatch(r"branch_\d+_fun", part):  # lax.cond's, in its "cond"
+                out = out[:-1] if out and out[-1] == "cond" else out
+            elif part and not part.startswith(REGION_PREFIX):
+                out.append(part)
+    for at in reversed(restarts):
+        if 0 < at < len(out) and out[at] == out[0]:
+            return "/".join(out[at:])
     return "/".join(out)
 
 
 def _carries(op: CollectiveOp) -> str:
-    if FINITE_SCOPE in op.op_name:
+    name, reduces = op.op_name, op.kind in ("all-reduce", "reduce-scatter")
+    if FINITE_SCOPE in name:
         return "finite flags"
-    if AMAX_SCOPE in op.op_name:
+    if AMAX_SCOPE in name:
         return "amax"
+    if REDUCE_MEAN_SCOPE in name:
+        return "reduce_mean scales" if BLOCK_SCALES_SCOPE in name else "reduce_mean"
+    if op.kind == "all-gather" and FLOAT8_GATHER_SCOPE in name:
+        return "float8 gather"
     if op.kind == "all-gather" and op.of_argument:
         return "argument gather"
-    if "transpose(" in op.op_name:
-        return "gradient" if op.kind in ("all-reduce", "reduce-scatter") else "backward"
-    return "activation gather" if op.kind == "all-gather" else "unknown"
+    if "transpose(" in name:
+        return "gradient" if reduces else "backward"
+    if op.kind == "all-gather":
+        return "activation gather"
+    return "forward" if reduces and "jvp(" in name else "unknown"
 
 
 def _collective(op: CollectiveOp) -> Collective:
@@ -182,6 +228,9 @@ def _collective(op: CollectiveOp) -> Collective:
         name=op.name,
         groups=op.groups,
         computation=op.computation,
+        instruction=op.instruction or op.name,
+        parts=op.parts,
+        operation=_segments(op.op_name)[-1] if op.op_name else "",
     )
 
 
@@ -346,9 +395,11 @@ class CollectiveReport:
 
     def __str__(self) -> str:
         n = len(self.collectives)
+        k = len({(c.computation, c.instruction) for c in self.collectives})
+        combined = f" in {k} instruction{'s' * (k != 1)}" if k < n else ""
         lines = [
-            f"collective report: {n} collective{'s' * (n != 1)} on {self.devices} "
-            f"devices, {human_bytes(self.bytes())} per device (sent: "
+            f"collective report: {n} collective{'s' * (n != 1)}{combined} on "
+            f"{self.devices} devices, {human_bytes(self.bytes())} per device (sent: "
             f"{human_bytes(self.bytes(wire=True))})",
             "",
         ]

@@ -184,7 +184,9 @@ class CollectiveTime:
       collective: the :class:`Collective`.
       bandwidth_seconds: its ``wire_bytes`` over the link bandwidth.
       latency_seconds: the latency times its algorithm's steps (``2 (n - 1)``
-        for a ring all-reduce, ``n - 1`` for the others, 1 for a permute).
+        for a ring all-reduce, ``n - 1`` for the others, 1 for a permute);
+        0 for the second and later arrays of a combined collective (the
+        instruction pays it once).
       seconds: the sum of the two.
 
     Examples:
@@ -380,10 +382,14 @@ def wire_time(
             "step_compute_seconds", step_compute_seconds, positive=False
         )
     share = check_overlap(overlap)
-    times = []
+    times, started = [], set()
     for c in items:
         beta = c.wire_bytes / bandwidth
-        lat = alpha * _steps(c.kind, c.group_size)
+        # The arrays XLA combined into one instruction pay its latency once.
+        key = (c.computation, c.instruction) if c.instruction else None
+        first = key is None or key not in started
+        started.add(key)
+        lat = alpha * _steps(c.kind, c.group_size) if first else 0.0
         times.append(CollectiveTime(c, beta, lat, beta + lat))
     total = sum(t.seconds for t in times)
     exposed = exposed_time(total, compute, share)

@@ -29,6 +29,7 @@ from jax import lax
 
 from jaxscale._autocast.interp import REGION_PREFIX
 from jaxscale._jax_private import manual_axes
+from jaxscale._scope import FLOAT8_GATHER_SCOPE
 from jaxscale.float8._mesh import max_over_devices, reduction_axes
 from jaxscale.float8._numerics import (
     amax_key,
@@ -45,8 +46,9 @@ __all__ = ["GATHER_SCOPE", "all_gather"]
 
 #: The name scope of the gather: autocast runs what is inside as traced (its
 #: prefix marks a region autocast does not rewrite), so the cast of the blocks
-#: is the float32 one whatever autocast's dtype.
-GATHER_SCOPE = f"{REGION_PREFIX}_float8_gather"
+#: is the float32 one whatever autocast's dtype; ``collective_report`` finds
+#: its gather by :data:`~jaxscale._scope.FLOAT8_GATHER_SCOPE` in the metadata.
+GATHER_SCOPE = f"{REGION_PREFIX}_{FLOAT8_GATHER_SCOPE}"
 
 
 def all_gather(

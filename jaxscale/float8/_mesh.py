@@ -22,12 +22,9 @@ import jax
 from jax import lax
 
 from jaxscale._jax_private import manual_axes, varying_axes
+from jaxscale._scope import AMAX_SCOPE
 
 __all__ = ["AMAX_SCOPE", "max_over_devices", "reduction_axes"]
-
-#: The name scope of an amax's reduction over devices (its collective carries it
-#: in the compiled program's metadata: ``jxs.diagnostics.collective_report``).
-AMAX_SCOPE = "jaxscale_amax"
 
 
 def reduction_axes(x: jax.Array) -> tuple[str, ...]:
