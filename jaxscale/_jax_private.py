@@ -90,6 +90,7 @@ __all__ = [
     "integer_pow_exponent",
     "jit_body",
     "jit_name",
+    "reduction_axes",
     "manual_axes",
     "mark_varying",
     "name_stack_text",
@@ -580,6 +581,11 @@ def replace_subjaxprs(
 # --------------------------------------------------------------------------- #
 # First-order parameters
 # --------------------------------------------------------------------------- #
+
+
+def reduction_axes(eqn: Any) -> tuple[int, ...]:
+    """The ``axes`` of a reduction (``reduce_max``, ``reduce_sum``...), as ints."""
+    return tuple(int(a) for a in eqn.params.get("axes", ()))
 
 
 def dot_dimension_numbers(params: Mapping[str, Any]) -> Any:

@@ -220,7 +220,7 @@ FLOORS = [
     {"_jax_private"},
     {"_autocast", "_autocast.rules", "diagnostics._report_text", *OUTSIDE},
     {"_autocast.values", "_autocast.lookahead"},
-    {"_autocast.attention"},
+    {"_autocast.attention", "_autocast.fusion"},
     {"_autocast.gradients"},
     {"_autocast.classes", "diagnostics._islands"},
     {"_autocast.interp"},

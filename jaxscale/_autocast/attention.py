@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast.values import Info, dtype_of, fresh_info, is_castable
-from jaxscale._jax_private import jit_name
+from jaxscale._jax_private import bind, dot_dimension_numbers, jit_name
 
-__all__ = ["PREFIX", "intercepting", "is_attention", "run"]
+__all__ = ["PREFIX", "intercepting", "is_attention", "run", "run_chain"]
 
 PREFIX = "jaxscale_attention_"
 _ORIGINAL = jax.nn.dot_product_attention
@@ -190,3 +190,133 @@ def _cudnn_traces(f: Any, xs: list[Any]) -> bool:
     except Exception:  # noqa: BLE001 - jax's refusal, whatever its type
         return False
     return True
+
+
+def run_chain(
+    it: Any,
+    chain: Any,
+    inputs: dict[Any, tuple[Any, Info]],
+    constants: Any,
+    written: Any,
+) -> tuple[list[Any], list[Info]]:
+    """A written-out attention (:class:`jaxscale._autocast.fusion.Chain`) run
+    as cuDNN's fused attention on 16-bit q, k, v where the step is lowered for
+    CUDA and cuDNN takes it (no mask, or a causal one), else ``written()``: the
+    chain's equations by the rules. ``inputs`` maps the chain's inputs to their
+    values and provenance; ``constants`` knows their trace-time values."""
+    fused = _chain_call(it, chain, inputs, constants)
+    if fused is None:
+        return written(*[v for v, _ in inputs.values()])
+    cudnn, xs = fused
+    if not _cudnn_traces(cudnn, xs):
+        return written(*[v for v, _ in inputs.values()])
+    n = len(xs)
+    vals = [v for v, _ in inputs.values()]
+    outs = jax.lax.platform_dependent(
+        *xs,
+        *vals,
+        cuda=lambda *ys: (cudnn(*ys[:n]),),
+        default=lambda *ys: tuple(written(*ys[n:])[0]),
+    )
+    it.note("attention: written out, cuDNN's fused kernel where lowered for CUDA")
+    out = list(outs)
+    return out, [fresh_info(o)._replace(lowered=True) for o in out]
+
+
+def _chain_call(it: Any, chain: Any, inputs: dict, constants: Any) -> Any:
+    """``(f, xs)``: ``f(*xs)`` is the chain's output by cuDNN (xs: q, k, v in
+    the autocast dtype), or None when the chain is not one cuDNN can take."""
+    dtype = np.dtype(it.dtype)
+    if dtype == np.dtype("float32") or not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    scale = 1.0
+    for e in chain.scalings:
+        other = [v for v in e.invars if v is not _scaled(chain, e)]
+        c = constants.value(other[0]) if len(other) == 1 else None
+        if c is None or np.ndim(c) != 0:
+            return None
+        scale = scale * float(c) if e.primitive.name == "mul" else scale / float(c)
+    qv, kv = chain.scores.invars
+    vv = chain.out.invars[1 if chain.probs_lhs else 0]
+    if any(v not in inputs for v in (qv, kv, vv)):
+        return None
+    (lc, rc), (lb, rb) = dot_dimension_numbers(chain.scores.params)
+    (c0, c1), (b0, b1) = dot_dimension_numbers(chain.out.params)
+    vc, vb = (c1, b1) if chain.probs_lhs else (c0, b0)
+    q_shape, k_shape = np.shape(inputs[qv][0]), np.shape(inputs[kv][0])
+    v_shape = np.shape(inputs[vv][0])
+    q_free = [d for d in range(len(q_shape)) if d not in (*lc, *lb)]
+    k_free = [d for d in range(len(k_shape)) if d not in (*rc, *rb)]
+    v_free = [d for d in range(len(v_shape)) if d not in (*vc, *vb)]
+    if len(q_free) != 1 or len(k_free) != 1 or len(v_free) != 1:
+        return None
+    t, s = q_shape[q_free[0]], k_shape[k_free[0]]
+    batch = [int(q_shape[d]) for d in lb]
+    flat = int(np.prod(batch, dtype=np.int64))
+    causal = False
+    if chain.mask is not None:
+        keep = _keep(chain, constants, (*batch, t, s))
+        if keep is None:
+            return None
+        if keep.all():
+            pass
+        elif t == s and (keep == np.tril(np.ones((t, s), bool))).all():
+            causal = True
+        else:
+            return None
+    order_q, order_k = (*lb, q_free[0], *lc), (*rb, k_free[0], *rc)
+    order_v = (*vb, *vc, v_free[0])
+    h, hv = q_shape[lc[0]], v_shape[v_free[0]]
+    out_shape = (*batch, t, hv)
+    transpose_out = not chain.probs_lhs  # v . p: batch..., H, T
+
+    def cudnn(q: Any, k: Any, v: Any) -> Any:
+        q = jnp.transpose(q, order_q).reshape(flat, t, 1, h)
+        k = jnp.transpose(k, order_k).reshape(flat, s, 1, h)
+        v = jnp.transpose(v, order_v).reshape(flat, s, 1, hv)
+        o = _ORIGINAL(
+            q, k, v, scale=scale, is_causal=causal, implementation="cudnn"
+        ).reshape(out_shape)
+        if transpose_out:
+            o = jnp.swapaxes(o, -1, -2)
+        return o
+
+    xs = [it.cast(inputs[x][0], dtype) for x in (qv, kv, vv)]
+    if any(not is_castable(dtype_of(x)) for x in xs):
+        return None
+    return cudnn, xs
+
+
+def _scaled(chain: Any, e: Any) -> Any:
+    """The operand of scaling ``e`` that carries the scores."""
+    made = {v for x in chain.eqns for v in x.outvars}
+    return next(v for v in e.invars if v in made)
+
+
+def _keep(chain: Any, constants: Any, shape: tuple) -> Any:
+    """Where the chain's mask keeps the scores (a bool array broadcast to
+    ``(batch..., T, S)``, reduced over the batch if all agree), or None if the
+    mask is not known at trace time or differs across the batch."""
+    e = chain.mask
+    if e.primitive.name == "select_n":
+        pred = constants.value(e.invars[0])
+        if pred is None:
+            return None
+        keep = np.broadcast_to(np.asarray(pred, bool), shape)
+    else:  # a jitted where(c, scores, fill): evaluate it on 1s and 0s
+        c = constants.value(e.invars[0])
+        if c is None:
+            return None
+        with jax.ensure_compile_time_eval():
+            probe = bind(
+                e.primitive,
+                e.params,
+                [c, np.ones(shape, np.float32), np.float32(0.0)],
+            )[0]
+        if isinstance(probe, jax.core.Tracer):
+            return None
+        keep = np.asarray(probe) > 0.5
+    flat = keep.reshape(-1, *shape[-2:])
+    if not (flat == flat[:1]).all():
+        return None
+    return flat[0]

@@ -9,6 +9,7 @@ program holds only the casts, as if they were written by hand.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -81,6 +82,7 @@ def autocast(
     float8: Any = None,
     gradient_dtype: Any = None,
     plan: Any = None,
+    fuse_attention: bool = True,
 ) -> Callable[..., Any]:
     """Runs ``fun`` in mixed precision with per-operation dtypes, as torch.autocast.
 
@@ -193,6 +195,12 @@ def autocast(
         are named by name stack (``#1``, ``#2`` for repeats); a site the plan
         does not name, or a name the function never meets, raises. Not with
         ``float8``. ``None`` (default): no plan.
+      fuse_attention: run attention as cuDNN's fused kernel on 16-bit q, k, v
+        where the step is lowered for CUDA (default ``True``): every
+        ``jax.nn.dot_product_attention`` call, and written-out attention
+        (``softmax(q @ k * scale, masked causally or not) @ v``, as Flax's and
+        most models' code writes it); other platforms run the rules.
+        ``False``: attention by the rules everywhere (``docs/autocast.md``).
 
     Returns:
       A function with ``fun``'s signature and output structure.
@@ -256,7 +264,11 @@ def autocast(
     float8 = _with_plan(plan, float8)
     dt, table, classes, plugin = resolve(dtype, rules, float8)
     wide = gradient_policy(gradient_dtype, dt)
-    for name, flag in (("enabled", enabled), ("cast_outputs", cast_outputs)):
+    for name, flag in (
+        ("enabled", enabled),
+        ("cast_outputs", cast_outputs),
+        ("fuse_attention", fuse_attention),
+    ):
         if not isinstance(flag, bool | np.bool_):
             raise TypeError(
                 f"`{name}` must be a Python bool, got {type(flag).__name__}: "
@@ -272,6 +284,7 @@ def autocast(
             cast_outputs=cast_outputs,
             float8=plugin,
             gradient_dtype=gradient_dtype,
+            fuse_attention=fuse_attention,
         )
     if not callable(fun):
         raise TypeError(
@@ -287,6 +300,7 @@ def autocast(
                 return fun(*args, **kwargs)
         ext = plugin.begin() if plugin is not None else None
         it = Interpreter(dt, table, HANDLERS, classes=classes, extension=ext)
+        it.fuse_attention = fuse_attention
         out = interpret(
             fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
         )
@@ -438,7 +452,8 @@ def interpret(
 
     flat.__name__ = getattr(fun, "__name__", "fun")
     dyn = [leaves[i] for i in dynamic]
-    with attention.intercepting():  # jax.nn.dot_product_attention: fused
+    fuse = getattr(it, "fuse_attention", False)
+    with attention.intercepting() if fuse else contextlib.nullcontext():
         closed = jax.make_jaxpr(flat)(*dyn)
     with jax.named_scope(f"{REGION_PREFIX}_{it.dtype.name}"):
         infos = [

@@ -35,7 +35,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxscale._autocast import attention
 from jaxscale._autocast.classes import RULE_CLASSES, RuleClass
+from jaxscale._autocast.fusion import Constants, chains
 from jaxscale._autocast.lookahead import folds, widened
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
@@ -190,6 +192,8 @@ class Interpreter:
     """
 
     enters_owned = False
+    # Whether attention may run fused (``autocast(..., fuse_attention=)``).
+    fuse_attention = False
 
     def __init__(
         self,
@@ -229,6 +233,8 @@ class Interpreter:
         self._folds_of: dict[Any, dict[Any, Any]] = {}
         self._folds: dict[Any, Any] = {}
         self._narrowing: set[int] = set()
+        # Written-out attentions (fusion.chains) per jaxpr.
+        self._chains_of: dict[Any, dict[Any, Any]] = {}
         self._owned = 0  # the depth of owned higher-order equations entered
 
     @property
@@ -299,13 +305,25 @@ class Interpreter:
                 return val, const_info(val, param=False)
             return env[atom]
 
+        found = self._attention_chains(jaxpr)
+        inside = {id(e) for c in found.values() for e in c.eqns if e is not c.out}
+        constants = None
         try:
             for eqn in jaxpr.eqns:
-                pairs = [read(v) for v in eqn.invars]
-                vals = [p[0] for p in pairs]
-                in_infos = [p[1] for p in pairs]
-                with eqn_context(eqn):
-                    outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
+                if id(eqn) in inside:  # evaluated with its chain, at its end
+                    continue
+                if eqn in found:
+                    if constants is None:
+                        constants = Constants(
+                            jaxpr, dict(zip(jaxpr.constvars, consts, strict=True))
+                        )
+                    outs, out_infos = self._attention(found[eqn], read, constants)
+                else:
+                    pairs = [read(v) for v in eqn.invars]
+                    vals = [p[0] for p in pairs]
+                    in_infos = [p[1] for p in pairs]
+                    with eqn_context(eqn):
+                        outs, out_infos = self.eval_eqn(eqn, vals, in_infos)
                 for var, o, i in zip(eqn.outvars, outs, out_infos, strict=True):
                     env[var] = (o, i)
         finally:
@@ -313,6 +331,49 @@ class Interpreter:
             self._folds = saved_folds
         results = [read(v) for v in jaxpr.outvars]
         return [r[0] for r in results], [r[1] for r in results]
+
+    def _attention_chains(self, jaxpr: Any) -> dict[Any, Any]:
+        """The written-out attentions of ``jaxpr`` this interpreter may fuse
+        (:mod:`jaxscale._autocast.fusion`): none in float32, in a region
+        another autocast owns, or for an observer of each equation."""
+        if (
+            not self.fuse_attention
+            or self.dtype == _F32
+            or self._owned
+            or self.observer is not None
+            or self.extension is not None
+        ):
+            return {}
+        if jaxpr not in self._chains_of:
+            self._chains_of[jaxpr] = chains(jaxpr)
+        return self._chains_of[jaxpr]
+
+    def _attention(
+        self, chain: Any, read: Callable[[Any], tuple[Any, Info]], constants: Any
+    ) -> tuple[list[Any], list[Info]]:
+        """A written-out attention: fused where it can be
+        (:func:`jaxscale._autocast.attention.run_chain`), else its equations."""
+        inputs = {v: read(v) for v in chain.inputs}
+        names = list(inputs)
+
+        def written(*vals: Any) -> tuple[list[Any], list[Info]]:
+            local = {v: (x, inputs[v][1]) for v, x in zip(names, vals, strict=True)}
+
+            def get(atom: Any) -> tuple[Any, Info]:
+                return read(atom) if isinstance(atom, jcore.Literal) else local[atom]
+
+            for eqn in chain.eqns:
+                pairs = [get(v) for v in eqn.invars]
+                with eqn_context(eqn):
+                    outs, infos = self.eval_eqn(
+                        eqn, [p[0] for p in pairs], [p[1] for p in pairs]
+                    )
+                for var, o, i in zip(eqn.outvars, outs, infos, strict=True):
+                    local[var] = (o, i)
+            out = [local[v] for v in chain.out.outvars]
+            return [o for o, _ in out], [i for _, i in out]
+
+        return attention.run_chain(self, chain, inputs, constants, written)
 
     def widens(self, eqn: Any) -> bool:
         """Whether ``eqn``'s first output is widened to float32 anyway by what
