@@ -263,3 +263,96 @@ def test_a_product_into_a_sum_of_squares_is_not_widened():
         return jnp.tanh(x @ w) @ w
 
     assert score_dtypes(jxs.autocast(f, jnp.float16), x, w) == [F16, F16]
+
+
+# --------------------------------------------------------------------------- #
+# Fused attention: jax.nn.dot_product_attention, and written-out attention
+# --------------------------------------------------------------------------- #
+
+
+def written_out(q, k, v, *, causal=True, scale=0.125):
+    """benchmarks/gpu.py's attention: einsum, scale, causal where, softmax."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def test_jax_nn_attention_is_restored_after_tracing():
+    original = jax.nn.dot_product_attention
+    q, k, v = qkv(10.0)
+
+    def boom(q, k, v):
+        jax.nn.dot_product_attention(q, k, v)
+        raise RuntimeError("the user's error")
+
+    with pytest.raises(RuntimeError, match="the user's error"):
+        jax.jit(jxs.autocast(boom))(q, k, v)
+    jax.jit(jxs.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)))(
+        q, k, v
+    )
+    assert jax.nn.dot_product_attention is original
+
+
+def test_no_marker_is_left_in_the_autocast_program():
+    """The call jaxscale records while tracing is replaced: the program holds
+    the attention autocast ran (here, with no cuDNN, by the rules)."""
+    q, k, v = qkv(10.0)
+    f = jxs.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
+    names = [
+        str(e.params.get("name", ""))
+        for e in all_eqns(jax.make_jaxpr(f)(q, k, v))
+        if e.primitive.name == "jit"
+    ]
+    assert not [n for n in names if n.startswith("jaxscale_attention")], names
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        written_out,
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    ],
+    ids=["written", "jax.nn"],
+)
+def test_where_cudnn_cannot_run_the_rules_give_the_unfused_program(fn, dtype):
+    """Without cuDNN (this CPU host), the recognised attention runs by the
+    rules: bit for bit what ``fuse_attention=False`` gives, and close to
+    float32."""
+    q, k, v = qkv(300.0)
+    fused = jax.jit(jxs.autocast(fn, dtype))(q, k, v)
+    rules = jax.jit(jxs.autocast(fn, dtype, fuse_attention=False))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(rules))
+    ref = jax.jit(fn)(q, k, v)
+    np.testing.assert_allclose(fused, ref, atol=0.03 * float(np.abs(ref).max()))
+    grad = jax.grad(lambda q: jnp.sum(jxs.autocast(fn, dtype)(q, k, v) ** 2))(q)
+    assert grad.dtype == F32 and np.isfinite(grad).all()
+
+
+def test_fuse_attention_must_be_a_bool():
+    with pytest.raises(TypeError, match="`fuse_attention` must be a Python bool"):
+        jxs.autocast(written_out, fuse_attention="yes")
+
+
+def test_asking_for_cudnn_without_cudnn_is_jax_s_error():
+    """``implementation="cudnn"`` is passed on: on a host where jax cannot trace
+    cuDNN's attention, jax's own error, not a silent XLA form."""
+    pytest.importorskip("jax")
+    try:
+        jax.eval_shape(
+            lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn"),
+            jax.ShapeDtypeStruct((B, T, N, H), jnp.float16),
+        )
+    except Exception:  # noqa: BLE001 - the host has no cuDNN: jax refuses
+        pass
+    else:
+        pytest.skip("jax traces cuDNN attention here")
+    q, k, v = qkv(10.0)
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+    with pytest.raises(Exception):  # noqa: B017 - jax's, whatever its type
+        jax.jit(jxs.autocast(f))(q, k, v)
