@@ -318,13 +318,16 @@ def test_no_marker_is_left_in_the_autocast_program():
     ids=["written", "jax.nn"],
 )
 def test_where_cudnn_cannot_run_the_rules_give_the_unfused_program(fn, dtype):
-    """Without cuDNN (this CPU host), the recognised attention runs by the
-    rules: bit for bit what ``fuse_attention=False`` gives, and close to
-    float32."""
+    """Without cuDNN (a CPU host), the recognised attention runs by the rules:
+    bit for bit what ``fuse_attention=False`` gives; on a GPU, cuDNN's kernel,
+    within 16-bit rounding of it. Either way close to float32."""
     q, k, v = qkv(300.0)
     fused = jax.jit(jxs.autocast(fn, dtype))(q, k, v)
     rules = jax.jit(jxs.autocast(fn, dtype, fuse_attention=False))(q, k, v)
-    np.testing.assert_array_equal(np.asarray(fused), np.asarray(rules))
+    if jax.default_backend() == "gpu":
+        np.testing.assert_allclose(fused, rules, atol=0.02 * float(np.abs(rules).max()))
+    else:
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(rules))
     ref = jax.jit(fn)(q, k, v)
     np.testing.assert_allclose(fused, ref, atol=0.03 * float(np.abs(ref).max()))
     grad = jax.grad(lambda q: jnp.sum(jxs.autocast(fn, dtype)(q, k, v) ** 2))(q)
