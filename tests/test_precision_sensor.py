@@ -77,6 +77,8 @@ def test_the_first_order_estimate_matches_lowering_the_site_alone(dtype):
     # The float32 sites run at "highest": a GPU's default float32 matmul is
     # TF32-like (operands rounded to 10 bits, float16's width), so a float32 plan
     # there is no reference and its float16 site changes nothing (issue 47).
+    # Under "highest" XLA:GPU also computes the float8 sites in float32, so there
+    # their rows compare float32 with float32; XLA:CPU checks them for real.
     with jax.default_matmul_precision("highest"):
         p, x = chain_params(), normal(9, (8, 16))
         stats = jxp.Sensor(chain, dtype).update(p, x).stats()
@@ -99,11 +101,14 @@ def test_the_first_order_estimate_matches_lowering_the_site_alone(dtype):
 
 def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact():
     p, x = mlp_params(), normal(9, (8, 16))
+    measures = jxp.Sensor(mlp, jnp.bfloat16).update(p, x).measures()
     # float32 is exact at "highest" (a GPU's default float32 matmul is TF32-like).
+    # Only float32's row is read there: under "highest" XLA:GPU computes the
+    # float8 products in float32 (their errors fell 70-fold on an H200).
     with jax.default_matmul_precision("highest"):
-        measures = jxp.Sensor(mlp, jnp.bfloat16).update(p, x).measures()
+        exact = jxp.Sensor(mlp, jnp.bfloat16).update(p, x).measures()
+    assert [m.errors[F.FLOAT32] for m in exact] == [0.0] * len(exact)
     for m in measures:
-        assert m.errors[F.FLOAT32] == 0.0
         eight = min(m.errors[F.FLOAT8], m.errors[F.FLOAT8_ROWWISE])
         assert eight > 10 * m.errors[F.HALF]
         assert m.errors[F.HALF] > 0
@@ -143,7 +148,11 @@ def test_batches_are_averaged():
     assert both.stats()[TOP][F.FLOAT8]["fisher"] == pytest.approx(mean, rel=1e-6)
 
 
-def test_a_scanned_site_is_one_site_summed_over_its_iterations():
+def test_a_scanned_site_is_one_site_summed_over_its_iterations(on_cpu):
+    # The bookkeeping, on a CPU device: XLA:CPU rounds the scanned and the
+    # unrolled programs' products alike. XLA:GPU does not: on an H200 their
+    # float8 sums differed by 0.15% ("linear") to 0.65% ("dw"), and "highest"
+    # there computes float8 in float32 (issue 47).
     ws = normal(1, (4, 16, 16), 0.3)
 
     def scanned(ws, x):
@@ -157,9 +166,8 @@ def test_a_scanned_site_is_one_site_summed_over_its_iterations():
         return jnp.sum(h**2)
 
     x = normal(9, (8, 16))
-    with jax.default_matmul_precision("highest"):
-        sensor = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x)
-        unrolled_sensor = jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x)
+    sensor = jxp.Sensor(scanned, jnp.bfloat16).update(ws, x)
+    unrolled_sensor = jxp.Sensor(unrolled, jnp.bfloat16).update(ws, x)
     s, u = sensor.stats(), unrolled_sensor.stats()
     assert list(s) == [TOP]
     assert list(u) == [TOP, f"{TOP}#1", f"{TOP}#2", f"{TOP}#3"]
