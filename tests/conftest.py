@@ -161,11 +161,46 @@ def on_cpu():
 def pytest_runtest_logreport(report):
     """With ``JAXSCALE_FAILURES=<file>``, each failure's traceback is appended to
     that file as it happens (``.ci/gpu``: a suite cut off by its time limit
-    still says what failed and why)."""
+    still says what failed and why). With ``JAXSCALE_RAN=<file>``, each test
+    that finished appends a line ``nodeid<TAB>outcome<TAB>seconds`` (``.ci/gpu``
+    lists the collected tests that never ran, and the slowest). Under xdist the
+    worker writes; the controller's copy of the report (``report.node``) is
+    left out, so each line is written once."""
+    if getattr(report, "node", None) is not None:
+        return
     path = os.environ.get("JAXSCALE_FAILURES")
     if path and report.failed:
         with open(path, "a", encoding="utf-8") as out:
             out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+    path = os.environ.get("JAXSCALE_RAN")
+    if path and report.when == "teardown":
+        _RUN_TIME[report.nodeid] = _RUN_TIME.get(report.nodeid, 0.0) + report.duration
+        outcome = _OUTCOME.pop(report.nodeid, "passed")
+        if report.failed:
+            outcome = "error"
+        with open(path, "a", encoding="utf-8") as out:
+            seconds = _RUN_TIME.pop(report.nodeid)
+            out.write(f"{report.nodeid}\t{outcome}\t{seconds:.2f}\n")
+    elif path:
+        _RUN_TIME[report.nodeid] = _RUN_TIME.get(report.nodeid, 0.0) + report.duration
+        if report.failed:
+            _OUTCOME[report.nodeid] = "failed" if report.when == "call" else "error"
+        elif report.skipped:
+            _OUTCOME.setdefault(report.nodeid, "skipped")
+
+
+def pytest_collection_finish(session):
+    """With ``JAXSCALE_COLLECTED=<file>``, the selected tests' node ids, one a
+    line, written once (by xdist's first worker: each collects the same)."""
+    path = os.environ.get("JAXSCALE_COLLECTED")
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
+    if path and worker == "gw0":
+        with open(path, "w", encoding="utf-8") as out:
+            out.writelines(f"{item.nodeid}\n" for item in session.items)
+
+
+_RUN_TIME: dict[str, float] = {}  # per test: setup and call seconds so far
+_OUTCOME: dict[str, str] = {}  # per test: "failed", "error" or "skipped" so far
 
 
 def enable_x64():

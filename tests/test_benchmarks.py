@@ -126,7 +126,12 @@ def test_float8_passes_benchmark_tiny(tmp_path):
             row = got[name]
             assert row[2] == sites, out
             assert int(row[3]) > int(base[3]) and float(row[7]) > 0, out
-            assert float(row[9]) > 0, out  # more bytes: the quantisation passes
+            if jax.default_backend() == "cpu":
+                # More bytes, the quantisation passes: a fact of XLA:CPU, which
+                # the script compiled for (it compiles for the default backend;
+                # XLA:GPU fuses the passes into their neighbours, -0.5 MiB on an
+                # H200 for the realistic model's current scaling).
+                assert float(row[9]) > 0, out
         # Our kernel bytes and XLA's estimate agree to 1%.
         for row in got.values():
             ours, xla = (float(c.replace(",", "")) for c in row[5:7])

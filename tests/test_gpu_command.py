@@ -1,5 +1,7 @@
 """``.ci/gpu``, the one command for a GPU, in its CPU smoke mode: the four parts
-run, each writes its file into one folder, and the summary has one line per part.
+run, each writes its file into one folder, and the summary has one line per part;
+the suite's part says which collected tests never ran, a suite cut off by its
+limit included.
 """
 
 import os
@@ -34,7 +36,12 @@ def test_the_gpu_command_smoke_mode(tmp_path):
         "float8",
     ]
     assert all(": ok in " in line for line in lines), lines
-    assert "passed" in lines[0]
+    assert "passed" in lines[0] and "never ran 0 of " in lines[0]
+    collected = (out / "collected.txt").read_text().splitlines()
+    ran = [line.split("\t")[0] for line in (out / "ran.txt").read_text().splitlines()]
+    assert collected and sorted(ran) == sorted(collected)
+    assert (out / "never_ran.txt").read_text() == ""
+    assert (out / "slowest.txt").stat().st_size > 0
     for name in ("env.txt", "suite.txt", "gpu_py.txt", "account.txt"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "float8_models.txt").stat().st_size > 0
@@ -87,8 +94,48 @@ def test_a_spent_budget_skips_the_parts_and_says_so(tmp_path):
         "account",
         "float8",
     ]
-    assert all("SKIPPED" in line and "--rest" in line for line in lines), lines
+    assert all("SKIPPED" in line for line in lines), lines
+    assert "(PARTS=suite .ci/gpu)" in lines[0]
+    assert all("(.ci/gpu --rest)" in line for line in lines[1:]), lines
     assert not (out / "suite.txt").exists()
+
+
+def test_a_suite_cut_off_by_its_limit_says_which_tests_never_ran(tmp_path):
+    """``PARTS=suite``, ``SUITE`` and ``SUITE_LIMIT``: the suite's part alone, on
+    a file whose second test outlasts the limit; the summary and never_ran.txt
+    name it and the one after it, from what was written as it happened."""
+    test = tmp_path / "test_stuck.py"
+    test.write_text(
+        "import time\n\nimport pytest\n\npytestmark = pytest.mark.unit\n\n\n"
+        "def test_quick():\n    pass\n\n\n"
+        "def test_stuck():\n    time.sleep(600)\n\n\n"
+        "def test_after():\n    pass\n"
+    )
+    out = tmp_path / "run"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PARTS": "suite",
+        "SUITE": f"-p conftest {test}",
+        "SUITE_LIMIT": "45",
+        "PYTHONPATH": str(ROOT / "tests"),
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = (out / "summary.txt").read_text().splitlines()
+    assert line.startswith("suite: TIMED OUT after 45 s"), line
+    assert line.endswith("never ran 2 of 3 (never_ran.txt)"), line
+    never = ["test_stuck.py::test_stuck", "test_stuck.py::test_after"]
+    assert (out / "never_ran.txt").read_text().splitlines() == never
+    assert [f"never ran: {n}" for n in never] == done.stdout.splitlines()[:2]
+    assert (out / "ran.txt").read_text().startswith("test_stuck.py::test_quick\t")
 
 
 def test_failures_are_written_as_they_happen(tmp_path):

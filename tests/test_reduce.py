@@ -411,9 +411,10 @@ def test_composes_with_accumulate_and_clipping():
 @pytest.mark.core
 def test_pmap():
     x = jnp.asarray(spread((N, 10)))
-    out = jax.pmap(
+    out = jax.pmap(  # over the 8 CPU devices by name: a GPU host has one GPU
         lambda g: jxs.reduce_mean(g, "data", wire_dtype=E4M3, block_size=8),
         axis_name="data",
+        devices=jax.devices("cpu")[:N],
     )(x)
     np.testing.assert_allclose(out[0], np.asarray(x).mean(0), rtol=0.13)
     assert_bit_identical(out[0], out[7])
