@@ -359,3 +359,19 @@ def test_asking_for_cudnn_without_cudnn_is_jax_s_error():
 
     with pytest.raises(Exception):  # noqa: B017 - jax's, whatever its type
         jax.jit(jxs.autocast(f))(q, k, v)
+
+
+def test_an_additive_mask_bias_is_saturated_not_infinite():
+    """``bias=-1e9`` masking whole rows: float16 would make it ``-inf`` (NaN
+    rows); the bias is saturated to -65504, so every row stays finite."""
+    q, k, v = qkv(10.0)
+    bias = jnp.where(jnp.arange(T)[None, None, :, None] < 4, -1e9, 0.0)
+    bias = jnp.broadcast_to(bias, (B, N, T, T)).astype(jnp.float32)
+
+    def f(q, k, v, bias):
+        return jax.nn.dot_product_attention(q, k, v, bias=bias)
+
+    got = jax.jit(jxs.autocast(f, jnp.float16))(q, k, v, bias)
+    ref = jax.jit(f)(q, k, v, bias)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))

@@ -144,7 +144,9 @@ def run(
     if dtype == np.dtype("float32") or asked == "xla":
         return None
     args = {
-        n: it.cast(v, dtype) if n in _CAST and is_castable(dtype_of(v)) else v
+        n: _narrow(it, v, dtype, n == "bias")
+        if n in _CAST and is_castable(dtype_of(v))
+        else v
         for n, v in zip(names, vals, strict=True)
     }
 
@@ -175,6 +177,16 @@ def run(
         return written(*vals)
     out_infos = [fresh_info(o)._replace(lowered=dtype_of(o) == dtype) for o in outs]
     return outs, out_infos
+
+
+def _narrow(it: Any, x: Any, dtype: np.dtype, saturating: bool) -> Any:
+    """``x`` in ``dtype``; a bias saturated at its finite range (an additive
+    mask of ``-1e9`` becomes float16's -65504, not ``-inf``, so a fully masked
+    row stays finite, as in float32)."""
+    if saturating and dtype_of(x) != dtype:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return it.cast(x, dtype)
 
 
 def _flat(out: Any) -> list[Any]:
