@@ -28,7 +28,13 @@ from jaxscale._autocast.gradients import gradient_policy
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import REGION_PREFIX, Interpreter
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
-from jaxscale._autocast.values import cast, dtype_of, input_info, is_castable
+from jaxscale._autocast.values import (
+    cast,
+    dtype_of,
+    floating,
+    input_info,
+    is_castable,
+)
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
@@ -443,6 +449,10 @@ def interpret(
             input_info(leaves[i], wide is None or wide(_path(with_paths[i][0])))
             for i in dynamic
         ]
+        # Statistics' cotangents in float32 unless every float input is narrow.
+        it.wide_statistics = any(
+            info.wide for info, x in zip(infos, dyn, strict=True) if floating(x.dtype)
+        )
         outs, _ = it.eval_closed(closed, dyn, infos)
     n_out = shapes["out"].num_leaves
     # The output contract: every output in the dtype ``fun`` gives it.
