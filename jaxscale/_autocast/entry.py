@@ -189,8 +189,10 @@ def autocast(
         arguments ``"['name']..."``) returning one of these, called at trace
         time. The same goes for a float32 parameter broadcast into an
         ``add``, ``sub`` or ``mul`` (a bias, a norm's scale): its gradient is
-        summed in float32. Forward and activation gradients are the same
-        either way; convolution kernels' gradients stay in ``dtype``.
+        summed in float32, and so is a convolution's kernel gradient and a
+        normalisation's statistic broadcast into a 16-bit activation (a batch
+        norm's backward sums; unless every float input is narrowed). Forward
+        and activation gradients are the same either way.
       plan: a :class:`jaxscale.precision.Plan` (``docs/precision.md``): each
         matmul site (a ``dot_general`` without batch dimensions) runs in the
         plan's format for it: float32, ``dtype``, ``dtype`` with a float32
