@@ -25,6 +25,7 @@ from jax.extend import core as jcore
 
 from jaxscale._autocast.gradients import (
     WIDE_ELEMENTWISE,
+    WIDE_PRODUCTS,
     wide_elementwise,
     wide_gradient_product,
 )
@@ -178,7 +179,7 @@ class Lower(RuleClass):
                 break
         cast = [it.cast(v, target) if is_castable(dtype_of(v)) else v for v in vals]
         cast = promote(it, eqn, cast, infos, traced)
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name in WIDE_PRODUCTS:
             for v, i, c in zip(vals, infos, cast, strict=True):
                 if i.wide and dtype_of(v) == _F32 and dtype_of(c) == it.dtype:
                     it.mark_wide_gradient(c, v)
@@ -312,7 +313,10 @@ class Bias(RuleClass):
                 f"float32 statistic or parameter applied to a {it.dtype.name} "
                 f"activation: cast to {it.dtype.name}, saturating"
             )
-            cast = [self.saturating_cast(it, v, it.dtype) for v in vals]
+            clipped = [self.saturated(v, it.dtype) for v in vals]
+            cast = [it.cast(c, it.dtype) for c in clipped]
+            _mark_norm(it, eqn, vals, infos, clipped, cast)
+            return cast, None
         elif kind == "mask":
             it.note(
                 f"float32 0/1 mask (a boolean converted in the function) "
@@ -343,16 +347,48 @@ class Bias(RuleClass):
         """``x`` in ``dtype``, its finite values clipped to ``dtype``'s finite
         range (a statistic such as ``rsqrt(var + eps)`` may exceed float16's);
         infinities and NaNs are kept."""
+        return it.cast(Bias.saturated(x, dtype), dtype)
+
+    @staticmethod
+    def saturated(x: Any, dtype: np.dtype) -> Any:
+        """``x`` at its own dtype, its finite values clipped to ``dtype``'s
+        finite range where ``dtype`` is narrower (what
+        :meth:`saturating_cast` casts)."""
         src = dtype_of(x)
         if src == dtype or src.itemsize <= np.dtype(dtype).itemsize:
-            return it.cast(x, dtype)
+            return x
         fi = jax.numpy.finfo(dtype)
         lo, hi = np.asarray(fi.min, src), np.asarray(fi.max, src)
         if isinstance(x, np.ndarray | np.generic):
             with np.errstate(all="ignore"):
-                return np.where(np.isfinite(x), np.clip(x, lo, hi), x).astype(dtype)
-        clipped = lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
-        return it.cast(clipped, dtype)
+                return np.where(np.isfinite(x), np.clip(x, lo, hi), x)
+        return lax.select(lax.is_finite(x), lax.clamp(lo, x, hi), x)
+
+
+def _mark_norm(
+    it: Interpreter,
+    eqn: Any,
+    vals: list[Any],
+    infos: list[Info],
+    clipped: list[Any],
+    cast: list[Any],
+) -> None:
+    """In a normalisation (``"norm"`` of :func:`bias_kind`), marks the float32
+    operand broadcast into the activation (a scale, a statistic such as a
+    batch norm's mean or ``scale * rsqrt(var + eps)``) so that its cotangent is
+    summed over the broadcast axes, the batch among them, in float32
+    (:func:`wide_elementwise`): a parameter if its ``gradient_dtype`` is
+    float32, a value computed from activations if ``it.wide_statistics``."""
+    if eqn.primitive.name not in WIDE_ELEMENTWISE or len(vals) != 2:
+        return
+    shape = np.shape(eqn.outvars[0].aval)
+    for v, i, s, c in zip(vals, infos, clipped, cast, strict=True):
+        if dtype_of(v) != _F32 or np.shape(v) == shape or i.const is not None:
+            continue
+        if isinstance(s, np.ndarray | np.generic):
+            continue
+        if i.wide if i.param else i.stat and it.wide_statistics:
+            it.mark_wide_gradient(c, s)
 
 
 class Keep(RuleClass):

@@ -30,7 +30,13 @@ from jaxscale._autocast.gradients import gradient_policy
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import REGION_PREFIX, Interpreter
 from jaxscale._autocast.rules import AutocastRule, resolve_rules
-from jaxscale._autocast.values import cast, dtype_of, input_info, is_castable
+from jaxscale._autocast.values import (
+    cast,
+    dtype_of,
+    floating,
+    input_info,
+    is_castable,
+)
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
@@ -186,8 +192,10 @@ def autocast(
         arguments ``"['name']..."``) returning one of these, called at trace
         time. The same goes for a float32 parameter broadcast into an
         ``add``, ``sub`` or ``mul`` (a bias, a norm's scale): its gradient is
-        summed in float32. Forward and activation gradients are the same
-        either way; convolution kernels' gradients stay in ``dtype``.
+        summed in float32, and so is a convolution's kernel gradient and a
+        normalisation's statistic broadcast into a 16-bit activation (a batch
+        norm's backward sums; unless every float input is narrowed). Forward
+        and activation gradients are the same either way.
       plan: a :class:`jaxscale.precision.Plan` (``docs/precision.md``): each
         matmul site (a ``dot_general`` without batch dimensions) runs in the
         plan's format for it: float32, ``dtype``, ``dtype`` with a float32
@@ -460,6 +468,10 @@ def interpret(
             input_info(leaves[i], wide is None or wide(_path(with_paths[i][0])))
             for i in dynamic
         ]
+        # Statistics' cotangents in float32 unless every float input is narrow.
+        it.wide_statistics = any(
+            info.wide for info, x in zip(infos, dyn, strict=True) if floating(x.dtype)
+        )
         outs, _ = it.eval_closed(closed, dyn, infos)
     n_out = shapes["out"].num_leaves
     # The output contract: every output in the dtype ``fun`` gives it.

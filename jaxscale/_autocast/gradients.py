@@ -44,6 +44,7 @@ from jaxscale._policy import parse_float_dtype
 __all__ = [
     "DOT_ALGORITHMS",
     "WIDE_ELEMENTWISE",
+    "WIDE_PRODUCTS",
     "gradient_policy",
     "wide_elementwise",
     "wide_gradient_product",
@@ -60,6 +61,12 @@ DOT_ALGORITHMS = MappingProxyType(
 )
 
 
+# The products whose float32 operand's gradient is widened: a matmul's weight,
+# a convolution's kernel (or, in a transposed convolution written with the
+# parameter on the left, whichever operand is the float32 input).
+WIDE_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
 def wide_gradient_product(
     primitive: Any,
     params: Mapping[str, Any],
@@ -68,7 +75,8 @@ def wide_gradient_product(
 ) -> Any:
     """``bind(primitive, params, vals)`` (a ``dot_general``), differentiated so
     that the cotangent of each float32 ``sources[i]`` (``vals[i]`` is its 16-bit
-    cast; ``None`` where it is not one) comes out of its product in float32."""
+    cast; ``None`` where it is not one) comes out of its product in float32.
+    ``primitive`` is a ``dot_general`` or a ``conv_general_dilated``."""
     low = [dtype_of(v) for v in vals]
     primals = [v if s is None else s for v, s in zip(vals, sources, strict=True)]
     out_dtype = preferred_element_type(params) or low[0]
@@ -106,8 +114,11 @@ def _wide_term(
 ) -> Any:
     """The product with a float32 tangent among ``args`` (the others in
     ``low``), accumulated and returned in float32: on CUDA with the 16-bit dot
-    algorithm (the tangent narrowed exactly, since its cotangent is 16-bit)."""
+    algorithm (the tangent narrowed exactly, since its cotangent is 16-bit). A
+    convolution takes one dtype for both operands: see :func:`_wide_conv`."""
     wide = with_preferred_element_type(params, _F32)
+    if primitive.name == "conv_general_dilated":
+        return _wide_conv(primitive, wide, args)
     algorithm = DOT_ALGORITHMS.get(np.dtype(low))
     if algorithm is None or not _matrix_matrix(params, args):
         return bind(primitive, wide, args)[0]
@@ -120,6 +131,22 @@ def _wide_term(
         cuda=lambda *a: bind(primitive, on_gpu, [cast(x, _F32) for x in a])[0],
         default=lambda *a: bind(primitive, wide, a)[0],
     )
+
+
+def _wide_conv(primitive: Any, wide: Mapping[str, Any], args: list[Any]) -> Any:
+    """A convolution's float32 term: both operands widened (exactly) and the
+    result float32, so its transpose, the kernel's gradient, is a float32
+    convolution of the widened activation and cotangent whose partial sums
+    the partitioner reduces in float32. XLA:CPU computes a 16-bit convolution
+    in float32 anyway; XLA:GPU (cuDNN) has no 16-bit convolution with a
+    float32 result and runs this one on float32 copies of its operands.
+    Rematerialised, so the backward widens the 16-bit activation it keeps
+    rather than keeping a float32 copy from the forward."""
+
+    def term(*a: Any) -> Any:
+        return bind(primitive, wide, [cast(x, _F32) for x in a])[0]
+
+    return jax.checkpoint(term)(*args)
 
 
 def _matrix_matrix(params: Mapping[str, Any], args: Sequence[Any]) -> bool:
@@ -176,16 +203,18 @@ def _is_wide(value: Any, dtype: np.dtype, path: str | None) -> bool:
     )
 
 
-# The elementwise operations whose broadcast parameter's gradient is widened.
-WIDE_ELEMENTWISE = frozenset({"add", "sub", "mul"})
+# The elementwise operations whose broadcast parameter's (or, in a norm,
+# statistic's) gradient is widened.
+WIDE_ELEMENTWISE = frozenset({"add", "sub", "mul", "div"})
 
 
 def wide_elementwise(
     primitive: Any, params: Mapping[str, Any], vals: Sequence[Any], source: Any, i: int
 ) -> Any:
-    """``bind(primitive, params, vals)`` (``add``, ``sub`` or ``mul`` that
-    broadcasts ``vals[i]``, the 16-bit cast of the float32 ``source``: a bias,
-    a norm's scale), differentiated so that ``source``'s cotangent is summed
+    """``bind(primitive, params, vals)`` (``add``, ``sub``, ``mul`` or ``div``
+    that broadcasts ``vals[i]``, the 16-bit cast of the float32 ``source``: a
+    bias, a norm's scale or statistic), differentiated so that ``source``'s
+    cotangent is summed
     over the broadcast axes in float32: its tangent is broadcast before the
     cast, so the transpose widens the cotangent first (XLA fuses the widening
     into the sum) and a partial sum across devices is reduced in float32. The
@@ -206,12 +235,23 @@ def wide_elementwise(
 
     def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
         (p, other), (dp, dother) = primals, tangents
+
         # Broadcast by adding zeros laid out as the activation: a plain
         # broadcast is replicated under explicit sharding, so its transpose
         # would gather the activation's cotangent.
-        part = dp.reshape((1,) * (len(shape) - np.ndim(dp)) + np.shape(dp))
-        zeros = lax.stop_gradient(jax.numpy.zeros_like(like, dtype=_F32))
-        wide = cast(part + zeros, low)
+        def spread(d: Any) -> Any:
+            part = d.reshape((1,) * (len(shape) - np.ndim(d)) + np.shape(d))
+            zeros = lax.stop_gradient(jax.numpy.zeros_like(like, dtype=_F32))
+            return cast(part + zeros, low)
+
+        if primitive.name == "div":
+            out = op(p, other)
+            if i == 1:  # x / p: dx / p - out * (dp / p), dp / p in float32
+                t = bind(primitive, params, [dother, cast(p, low)])[0]
+                return out, t - out * spread(dp / p)
+            # p / x: (dp - out * dx) / x
+            return out, bind(primitive, params, [spread(dp) - out * dother, other])[0]
+        wide = spread(dp)
         if primitive.name == "mul":
             t = bind(primitive, params, order(cast(p, low), dother))[0]
             t = t + bind(primitive, params, order(wide, other))[0]

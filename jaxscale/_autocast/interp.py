@@ -194,6 +194,10 @@ class Interpreter:
     enters_owned = False
     # Whether attention may run fused (``autocast(..., fuse_attention=)``).
     fuse_attention = False
+    # Whether a float32 statistic broadcast into a 16-bit activation (a batch
+    # norm's mean) has its cotangent summed in float32: ``autocast`` sets it
+    # from ``gradient_dtype`` (see ``jaxscale._autocast.classes._mark_norm``).
+    wide_statistics = True
 
     def __init__(
         self,
