@@ -29,12 +29,16 @@ figures per device kind (:data:`DEVICES`). ``e``, ``q`` and ``c`` were fitted to
 the one-site float8 sweep measured on an H200 (``docs/float8.md``) and serve
 every format; the rowwise and float32 terms are counted, not fitted. A kind not
 in the table (the CPU included) takes the H100 SXM's figures.
+
+:func:`target_kind` finds the device kind a traced program is for: the devices
+of its values' shardings, the mesh in context, or JAX's default device.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import jax
 
@@ -48,7 +52,9 @@ __all__ = [
     "Format",
     "current_device",
     "device_cost",
+    "is_known",
     "site_seconds",
+    "target_kind",
 ]
 
 # Fitted to the H200 sweep (docs/float8.md, "Which matmuls run in float8").
@@ -123,6 +129,54 @@ def device_cost(kind: str) -> tuple[DeviceCost, str]:
         if pattern.lower() in kind.lower():
             return cost, cost.name
     return FALLBACK, f"{kind}, as {FALLBACK.name}"
+
+
+def is_known(kind: str) -> bool:
+    """Whether :data:`DEVICES` has figures for device kind ``kind``."""
+    return any(pattern.lower() in kind.lower() for pattern, _ in DEVICES)
+
+
+def _kind_of_value(value: Any) -> str | None:
+    """The device kind ``value`` lives on, if its type says: a tracer's
+    sharding names a mesh with an abstract device when the traced program's
+    arguments had shardings (``ShapeDtypeStruct(..., sharding=)`` on a
+    deviceless topology included) or a mesh was set; an array knows its
+    devices."""
+    if isinstance(value, jax.core.Tracer):
+        sharding = getattr(getattr(value, "aval", None), "sharding", None)
+        device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
+        return getattr(device, "device_kind", None)
+    if isinstance(value, jax.Array):
+        try:
+            devices = value.sharding.device_set
+        except Exception:  # a deleted or otherwise unreadable array
+            return None
+        return next(iter(devices)).device_kind if devices else None
+    return None
+
+
+def target_kind(values: Iterable[Any] = ()) -> tuple[str, str]:
+    """The device kind the program being traced is for, and where it was found
+    (in words): the devices of the first of ``values`` whose sharding names
+    them, else the mesh in context (``jax.set_mesh``,
+    ``jax.sharding.use_abstract_mesh``), else JAX's default device (the
+    ``jax_default_device`` setting, or the first device of the default
+    backend). Tracing cannot see ``jit``'s ``in_shardings``: only the
+    arguments' own shardings and the mesh in context."""
+    for value in values:
+        kind = _kind_of_value(value)
+        if kind:
+            return kind, "the devices of the traced values' sharding"
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if getattr(device, "device_kind", None):
+        return device.device_kind, "the mesh in context"
+    default = jax.config.jax_default_device
+    if isinstance(default, str):  # a platform name
+        default = jax.devices(default)[0]
+    if isinstance(default, jax.Device):
+        return default.device_kind, "the `jax_default_device` setting"
+    first = jax.devices()[0]
+    return first.device_kind, f"JAX's default backend ({first.platform})"
 
 
 def current_device(device_kind: str | None) -> tuple[DeviceCost, str]:

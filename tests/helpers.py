@@ -6,11 +6,13 @@ several test files use live here (``from helpers import relaxed``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import optax
@@ -77,3 +79,17 @@ def run_script(
         text=True,
         timeout=timeout,
     )
+
+
+def unpriced_kind_warns() -> Any:
+    """What a float8 choice made by the cost model without `device_kind` gives
+    on this host: the warning that the default device's kind has no figures
+    (the CPU: the H100 SXM's are used), or nothing (a GPU the model knows)."""
+    import pytest
+
+    import jaxscale as jxs
+    from jaxscale._speed import is_known
+
+    if is_known(jax.devices()[0].device_kind):
+        return contextlib.nullcontext()
+    return pytest.warns(jxs.AutocastWarning, match="has no figures for the device")

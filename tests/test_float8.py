@@ -550,14 +550,15 @@ def test_a_gemm_report_without_float8_dots_is_not_ok_and_says_why():
 
 @pytest.mark.core
 def test_gemm_report_of_a_step_with_float8_below_min_dim_is_not_ok():
-    # float8=True at the default min_dim (4096) on a small model: no site, and
-    # the report says so instead of being vacuously ok.
+    # The cost model's choice on a small model: no site, and the report says so
+    # instead of being vacuously ok.
     def loss(params, x):
         return jnp.mean(jnp.tanh(x @ params["w1"]) @ params["w2"])
 
     params = {"w1": _normal(0, (64, 64)), "w2": _normal(1, (64, 32))}
     x = _normal(2, (32, 64))
-    step = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16, float8=True)))
+    chosen = jxs.float8.CurrentScaling(device_kind="NVIDIA H200")
+    step = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16, float8=chosen)))
     with pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"):
         report = jxs.float8.gemm_report(step, params, x)
     assert report.float8_dots == 0 and not report.ok

@@ -6,6 +6,7 @@ and the recipes' validation."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import all_eqns
+from helpers import all_eqns, unpriced_kind_warns
 
 import jaxscale as jxs
 from jaxscale.float8._choice import (
@@ -32,6 +33,11 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 H200 = "NVIDIA H200"
 KINDS = [None, H200, "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"]
 NOTHING = "nothing runs in float8"
+
+
+def _host_warns(kind):
+    """A choice without `device_kind` warns on a host without figures."""
+    return unpriced_kind_warns() if kind is None else contextlib.nullcontext()
 
 
 def _sweep() -> list[tuple[int, float, float]]:
@@ -151,13 +157,14 @@ def test_gpt2_small_gets_no_float8_site_by_default(kind):
     loss, args = _problem(_gpt(50257, 768, 12, 3072, layers=2), 8, 1024)
     recipe = jxs.float8.CurrentScaling(device_kind=kind)
     step = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16, float8=recipe)))
-    with pytest.warns(jxs.AutocastWarning, match=NOTHING):
+    with _host_warns(kind), pytest.warns(jxs.AutocastWarning, match=NOTHING):
         jaxpr = str(jax.make_jaxpr(step)(*args))
     # The same program as bfloat16 autocast's (the attention's products too).
     bf16 = jax.jit(jax.value_and_grad(jxs.autocast(loss, jnp.bfloat16)))
     assert jaxpr == str(jax.make_jaxpr(bf16)(*args))
     assert "f8_e4m3fn" not in jaxpr
-    notes, _ = _choices(loss, args, recipe)  # a report warns of nothing
+    with _host_warns(kind):  # a report warns of nothing else
+        notes, _ = _choices(loss, args, recipe)
     assert set(notes) == {
         "GPT/wte.attend",
         *(f"GPT/block_{i}/{n}" for i in range(2) for n in ("qkv", "proj")),
@@ -175,7 +182,7 @@ WIDE_ALL = {"qkv", "proj", "mlp_up", "mlp_down", "head"}
     [
         (H200, WIDE_ALL),
         ("NVIDIA H100 80GB HBM3", WIDE_ALL - {"proj"}),
-        (None, WIDE_ALL - {"proj"}),  # the CPU: the H100 SXM's figures
+        (None, WIDE_ALL - {"proj"}),  # the CPU: the H100 SXM's, with a warning
     ],
 )
 def test_a_wide_models_products_run_in_float8_by_default(kind, chosen):
@@ -190,7 +197,8 @@ def test_a_wide_models_products_run_in_float8_by_default(kind, chosen):
         chosen, name = rows[here], device_cost(here)[1]
     loss, args = _problem(_gpt(32768, 4096, 32, 16384, tied=False), 4, 1024)
     recipe = jxs.float8.CurrentScaling(device_kind=kind)
-    notes, report = _choices(loss, args, recipe)
+    with _host_warns(kind):
+        notes, report = _choices(loss, args, recipe)
     got = {
         s.rsplit("/", 1)[-1] for s, n in notes.items() if n.startswith("float8 site")
     }
@@ -199,7 +207,8 @@ def test_a_wide_models_products_run_in_float8_by_default(kind, chosen):
     assert all(f"of bfloat16 on {name}" in n for n in notes.values()), notes
     # Under jit, with gradients: three float8 products per site.
     step = jax.jit(jax.grad(jxs.autocast(loss, jnp.bfloat16, float8=recipe)))
-    assert len(_float8_dots(step, *args)) == 3 * len(chosen)
+    with _host_warns(kind):
+        assert len(_float8_dots(step, *args)) == 3 * len(chosen)
 
 
 def test_patterns_override_the_choice_in_both_directions():
@@ -218,7 +227,9 @@ def test_patterns_override_the_choice_in_both_directions():
     assert "16 bits: pattern 'head' says so" in text
     # And the other way: GPT-2-small's MLP forced into float8.
     loss, args = _problem(_gpt(50257, 768, 12, 3072), 8, 1024)
-    recipe = jxs.float8.CurrentScaling(sites={r"mlp_(up|down)$": True})
+    recipe = jxs.float8.CurrentScaling(
+        device_kind=H200, sites={r"mlp_(up|down)$": True}
+    )
     step = jax.jit(jax.grad(jxs.autocast(loss, jnp.bfloat16, float8=recipe)))
     assert len(_float8_dots(step, *args)) == 2 * 3
     notes, _ = _choices(loss, args, recipe)
@@ -248,7 +259,7 @@ def _mlp_args():
 def test_a_pattern_forces_float8_on_a_small_plain_jax_product_under_jit():
     params, x = _mlp_args()
     for sites, want in [({"up": True}, 3), ({"up": True, "head": True}, 6)]:
-        recipe = jxs.float8.CurrentScaling(sites=sites)
+        recipe = jxs.float8.CurrentScaling(device_kind=H200, sites=sites)
         step = jax.jit(jax.grad(jxs.autocast(_mlp, jnp.bfloat16, float8=recipe)))
         # Three products per site in the jaxpr (XLA drops x's unused gradient).
         assert len(_float8_dots(step, params, x)) == want, sites

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import all_eqns, relaxed
+from helpers import all_eqns, relaxed, unpriced_kind_warns
 
 import jaxscale as jxs
 
@@ -270,8 +270,8 @@ def test_linen_scan_state_for_three_layers_is_refused_by_two_under_jit():
 
 
 def test_gemm_report_of_a_linen_step_with_nothing_in_float8_is_not_ok():
-    # float8=True keeps the default min_dim (4096): this model has no site,
-    # and the check must not pass vacuously.
+    # float8=True: the cost model declines this model's products (on any
+    # kind), and the check must not pass vacuously.
     model = Stack()
     x = _normal(0, (64, 16))
     y = jnp.sin(x[:, :1])
@@ -280,7 +280,10 @@ def test_gemm_report_of_a_linen_step_with_nothing_in_float8_is_not_ok():
     def step(recipe):
         return jax.jit(jax.value_and_grad(_stack_loss(model, recipe)))
 
-    with pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"):
+    with (
+        unpriced_kind_warns(),
+        pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"),
+    ):
         report = jxs.float8.gemm_report(step(True), params, x, y)
     assert report.float8_dots == 0 and not report.ok
     assert "NOT ok" in str(report) and "lower it" in str(report)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import all_eqns, relaxed
+from helpers import all_eqns, relaxed, unpriced_kind_warns
 
 import jaxscale as jxs
 from jaxscale.float8 import _numerics as numerics
@@ -115,7 +115,10 @@ def test_rowwise_by_name_in_a_jitted_train_step():
     # By name: "rowwise" is this class with its defaults (the cost model
     # leaves so small a product in 16 bits, and says so).
     named = jxs.autocast(matmul, jnp.bfloat16, float8="rowwise")
-    with pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"):
+    with (
+        unpriced_kind_warns(),
+        pytest.warns(jxs.AutocastWarning, match="nothing runs in float8"),
+    ):
         jax.make_jaxpr(named)(x, w)
 
 

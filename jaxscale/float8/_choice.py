@@ -19,19 +19,30 @@ quantisation passes (an amax and a cast per operand and for the gradient, a
 transpose of each float8 tensor). Its figures are per device kind
 (:data:`DEVICES`); ``e``, ``q`` and ``c`` were fitted to the one-site sweep
 measured on an H200 (``docs/measurements.md``, "Float8 on a GPU";
-``docs/float8.md`` gives the fit). A kind not in the table (the CPU included)
-takes the figures of the H100 SXM, the most common kind: where they predict a
-gain, so do the H200's (checked in ``tests/test_float8_choice.py``).
+``docs/float8.md`` gives the fit).
+
+**Which device kind** (:func:`target_device`): the recipe's ``device_kind``;
+else the kind the traced program is for (:func:`jaxscale._speed.target_kind`):
+the devices of the product's operands' sharding (arguments placed on a mesh, or
+``ShapeDtypeStruct`` arguments with a sharding on a deviceless topology), the
+mesh in context, JAX's default device. A kind not in the table (the CPU
+included) takes the figures of the H100 SXM, the most common kind (where they
+predict a gain, so do the H200's: checked in ``tests/test_float8_choice.py``),
+with an :class:`~jaxscale.AutocastWarning` that says to pass ``device_kind``:
+traced on a CPU for a GPU, the choice would otherwise silently be another
+device's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxscale._autocast.interp import AutocastWarning
 from jaxscale._speed import (
     DEVICES,
     FALLBACK,
@@ -39,7 +50,9 @@ from jaxscale._speed import (
     Format,
     current_device,
     device_cost,
+    is_known,
     site_seconds,
+    target_kind,
 )
 
 __all__ = [
@@ -54,6 +67,7 @@ __all__ = [
     "device_cost",
     "predicted_ratio",
     "predicted_times",
+    "target_device",
 ]
 
 
@@ -85,6 +99,34 @@ def predicted_ratio(
     return t8 / t16
 
 
+def target_device(
+    device_kind: str | None, values: Iterable[Any] = ()
+) -> tuple[DeviceCost, str]:
+    """The figures the cost model uses and the name its notes give them: of
+    ``device_kind`` if given, else of the kind the traced program is for
+    (:func:`jaxscale._speed.target_kind` of ``values``, a product's operands).
+    A kind the model has no figures for takes :data:`FALLBACK`'s, with an
+    :class:`~jaxscale.AutocastWarning` that names the kind, where it was found
+    and how to name the target instead."""
+    if device_kind is not None:
+        return device_cost(device_kind)
+    kind, source = target_kind(values)
+    if not is_known(kind):
+        known = ", ".join(repr(c.name) for _, c in DEVICES)
+        warnings.warn(
+            "jxs.autocast(float8=...): the cost model that chooses which matmuls "
+            f"run in float8 has no figures for the device kind {kind!r} (from "
+            f"{source}), so it chose with the {FALLBACK.name}'s. Name the device "
+            "the step will run on, e.g. `float8=jxs.float8.CurrentScaling("
+            f'device_kind="NVIDIA H200")` (kinds with figures: {known}); or '
+            "decide without the model with `min_dim=` or `sites=` "
+            "(docs/float8.md: which device's figures).",
+            AutocastWarning,
+            stacklevel=2,
+        )
+    return device_cost(kind)
+
+
 def choose(
     recipe: Any,
     where: str,
@@ -95,7 +137,7 @@ def choose(
 ) -> Choice:
     """Whether the candidate at name stack ``where`` of sizes ``mkn`` runs in
     float8 under ``recipe``, and why. ``device()`` gives the figures of the
-    device kind (:func:`current_device`; called by the cost model only)."""
+    device kind (:func:`target_device`; called by the cost model only)."""
     for pattern, flag in recipe.sites:
         if re.search(pattern, where):
             fmt = "float8" if flag else "16 bits"
@@ -167,7 +209,7 @@ def check_device_kind(value: Any) -> str | None:
     known = [p for p, _ in DEVICES]
     if not isinstance(value, str) or not any(p.lower() in value.lower() for p in known):
         raise ValueError(
-            "`device_kind` must be None (the kind of the device JAX runs on) or "
+            "`device_kind` must be None (the kind the traced step is for) or "
             f"name a kind the cost model has figures for (one of {known}, as in "
             f"`jax.devices()[0].device_kind`), got {value!r}."
         )

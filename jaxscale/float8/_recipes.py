@@ -37,7 +37,7 @@ from jaxscale.float8._choice import (
     check_device_kind,
     check_sites,
     choose,
-    current_device,
+    target_device,
 )
 from jaxscale.float8._numerics import E4M3, E5M2, amax, scale_from_amax
 from jaxscale.float8._site import (
@@ -140,7 +140,12 @@ class Recipe(PluginRule):
         batch dimensions never runs in float8.
       device_kind: the device kind whose figures the cost model uses (as
         ``jax.devices()[0].device_kind``, e.g. ``"NVIDIA H200"``); ``None``:
-        the kind of the device JAX runs on, resolved once per autocast call.
+        the kind the traced step is for, resolved once per autocast call from
+        the devices of the first candidate's operands (arguments placed on a
+        mesh, or ``ShapeDtypeStruct`` arguments with a sharding on a deviceless
+        topology), else the mesh in context (``jax.set_mesh``), else JAX's
+        default device. A kind the model has no figures for (the CPU) takes
+        the H100 SXM's with an :class:`~jaxscale.AutocastWarning`.
 
     Examples:
       A recipe of your own: scales that are powers of two (exact to apply).
@@ -273,7 +278,7 @@ class Recipe(PluginRule):
 
         def device() -> Any:
             if ctx.device is None:
-                ctx.device = current_device(self.device_kind)
+                ctx.device = target_device(self.device_kind, vals)
             return ctx.device
 
         nbytes = tuple(np.dtype(dtype_of(v)).itemsize for v in vals)
