@@ -90,6 +90,7 @@ __all__ = [
     "integer_pow_exponent",
     "jit_body",
     "jit_name",
+    "broadcast_dimensions",
     "reduction_axes",
     "manual_axes",
     "mark_varying",
@@ -581,6 +582,11 @@ def replace_subjaxprs(
 # --------------------------------------------------------------------------- #
 # First-order parameters
 # --------------------------------------------------------------------------- #
+
+
+def broadcast_dimensions(eqn: Any) -> tuple[int, ...]:
+    """Where a ``broadcast_in_dim`` puts each axis of its operand."""
+    return tuple(int(a) for a in eqn.params["broadcast_dimensions"])
 
 
 def reduction_axes(eqn: Any) -> tuple[int, ...]:

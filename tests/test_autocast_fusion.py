@@ -109,3 +109,30 @@ def test_constants_evaluates_a_causal_mask_made_in_the_function():
     cond = consts.value(chain.mask.invars[0])
     np.testing.assert_array_equal(np.asarray(cond), np.asarray(CAUSAL))
     assert consts.value(closed.jaxpr.invars[0]) is None  # an input: not known
+
+
+def test_a_causal_mask_is_read_as_causal_and_an_input_mask_is_not_known():
+    """What the fused call would take: the causal pattern, read at (T, S) from
+    a mask made in the function (``jnp.tril``) or closed over (Flax's
+    ``make_causal_mask``); a mask passed in as an argument is not known."""
+    from jaxscale._autocast.attention import _keep
+
+    def keep_of(fn, *args):
+        closed, got = found(fn, *args)
+        (chain,) = got.values()
+        consts = Constants(
+            closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        )
+        shape = tuple(chain.scores.outvars[0].aval.shape)
+        return _keep(chain, consts, shape)
+
+    tril = np.tril(np.ones((T, T), bool))
+    np.testing.assert_array_equal(keep_of(causal, X, X, X), tril)
+    x = jnp.ones((B, T, 32))
+    mha = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)
+    variables = mha.init(jax.random.key(0), x)
+    mask = nn.make_causal_mask(jnp.ones((B, T)))
+    np.testing.assert_array_equal(
+        keep_of(lambda v, x: mha.apply(v, x, mask=mask), variables, x), tril
+    )
+    assert keep_of(lambda v, x, m: mha.apply(v, x, mask=m), variables, x, mask) is None

@@ -38,8 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._autocast.fusion import Constants
 from jaxscale._autocast.values import Info, dtype_of, fresh_info, is_castable
-from jaxscale._jax_private import bind, dot_dimension_numbers, jit_name
+from jaxscale._jax_private import (
+    broadcast_dimensions,
+    dot_dimension_numbers,
+    jit_body,
+    jit_name,
+)
 
 __all__ = ["PREFIX", "intercepting", "is_attention", "run", "run_chain"]
 
@@ -306,29 +312,45 @@ def _scaled(chain: Any, e: Any) -> Any:
 
 
 def _keep(chain: Any, constants: Any, shape: tuple) -> Any:
-    """Where the chain's mask keeps the scores (a bool array broadcast to
-    ``(batch..., T, S)``, reduced over the batch if all agree), or None if the
-    mask is not known at trace time or differs across the batch."""
+    """Where the chain's mask keeps the scores, as a ``(T, S)`` bool array, or
+    None if the mask is not known at trace time or differs across the batch
+    dimensions (``shape``: the scores', ``(batch..., T, S)``). The mask is
+    read before it is broadcast to the scores' shape, so a causal mask costs
+    ``T * S`` booleans at trace time, not the scores' size."""
     e = chain.mask
     if e.primitive.name == "select_n":
-        pred = constants.value(e.invars[0])
-        if pred is None:
-            return None
-        keep = np.broadcast_to(np.asarray(pred, bool), shape)
-    else:  # a jitted where(c, scores, fill): evaluate it on 1s and 0s
+        pred, known = e.invars[0], constants
+    else:  # a jitted where(c, scores, fill): its select's predicate from c
         c = constants.value(e.invars[0])
-        if c is None:
+        body = jit_body(e)
+        if c is None or body is None:
             return None
-        with jax.ensure_compile_time_eval():
-            probe = bind(
-                e.primitive,
-                e.params,
-                [c, np.ones(shape, np.float32), np.float32(0.0)],
-            )[0]
-        if isinstance(probe, jax.core.Tracer):
-            return None
-        keep = np.asarray(probe) > 0.5
-    flat = keep.reshape(-1, *shape[-2:])
-    if not (flat == flat[:1]).all():
+        inner = body.jaxpr
+        (select,) = [x for x in inner.eqns if x.primitive.name == "select_n"]
+        known = Constants(
+            inner,
+            {
+                **dict(zip(inner.constvars, body.consts, strict=True)),
+                inner.invars[0]: np.asarray(c),
+            },
+        )
+        pred = select.invars[0]
+    rank = len(shape)
+    dims = tuple(range(rank))
+    made = known.producer(pred)
+    if made is not None and made.primitive.name == "broadcast_in_dim":
+        dims, pred = broadcast_dimensions(made), made.invars[0]
+    value = known.value(pred)
+    if value is None:
         return None
-    return flat[0]
+    value = np.asarray(value, bool)
+    if value.ndim != len(dims) or tuple(dims) != tuple(sorted(dims)):
+        return None
+    full = [1] * rank
+    for axis, d in zip(range(value.ndim), dims, strict=True):
+        full[d] = value.shape[axis]
+    value = value.reshape(full)
+    first = value[(slice(0, 1),) * (rank - 2)]
+    if not (value == first).all():
+        return None
+    return np.broadcast_to(first.reshape(first.shape[-2:]), shape[-2:])

@@ -245,6 +245,10 @@ class Constants:
             v: c for v, c in consts.items() if not isinstance(c, jax.core.Tracer)
         }
 
+    def producer(self, var: Any) -> Any:
+        """The equation that computes ``var`` in this jaxpr, or None."""
+        return self._producer.get(var)
+
     def value(self, var: Any, depth: int = 0) -> Any:
         """``var``'s value (a NumPy array), or None if it is not known."""
         if isinstance(var, jcore.Literal):

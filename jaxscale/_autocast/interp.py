@@ -317,9 +317,13 @@ class Interpreter:
                 if id(eqn) in inside:  # evaluated with its chain, at its end
                     continue
                 if eqn in found:
-                    if constants is None:
+                    if constants is None:  # what is known at trace time
                         constants = Constants(
-                            jaxpr, dict(zip(jaxpr.constvars, consts, strict=True))
+                            jaxpr,
+                            {
+                                **dict(zip(jaxpr.constvars, consts, strict=True)),
+                                **dict(zip(jaxpr.invars, args, strict=True)),
+                            },
                         )
                     outs, out_infos = self._attention(found[eqn], read, constants)
                 else:
