@@ -205,8 +205,9 @@ def dynamic_scaling(
 
     Several devices (see the multi-device guide): under ``jit`` with sharded
     parameters and gradients nothing is needed, as the finite check reduces
-    whole (global) arrays, XLA inserts one small all-reduce (of the flags),
-    and every device
+    whole (global) arrays, XLA inserts one small all-reduce of the flags (none
+    for replicated gradients; one per set of mesh axes that shards some
+    gradient, so three for FSDP with tensor parallelism), and every device
     takes the same decision; ``init`` places the scale and counters replicated
     on the mesh of ``params``. Inside ``jax.shard_map``, ``jax.pmap`` or
     ``jax.vmap``, where each replica sees only its own gradients, pass
