@@ -88,10 +88,9 @@ def test_jax_nn_attention_runs_cudnn_under_autocast(results):
 
 @pytest.fixture(scope="module")
 def scaling():
-    size = gpu_budget.G.Size(12, 768, 12, 3072, 50304, 1024, 8)
     with as_users_run_it():
         return {
-            v: gpu_budget.scaling_row(size, gpu_budget.F16, v)
+            v: gpu_budget.scaling_row(gpu_budget.SCALING_SIZE, gpu_budget.F16, v)
             for v in gpu_budget.SCALING
         }
 
