@@ -16,17 +16,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.pinned]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_gpu_command_smoke_mode(tmp_path):
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHON": sys.executable, "MPLBACKEND": "Agg"}
-    done = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
+def gpu_command(
+    out: Path, env: dict, timeout: int, smoke: bool = True
+) -> subprocess.CompletedProcess:
+    """``.ci/gpu [--smoke] OUT`` run with ``env``."""
+    return subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), *(["--smoke"] if smoke else []), str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
+
+
+def test_the_gpu_command_smoke_mode(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHON": sys.executable, "MPLBACKEND": "Agg"}
+    done = gpu_command(out, env, 900)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = (out / "summary.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in lines] == [
@@ -64,27 +71,16 @@ def test_the_full_mode_refuses_without_a_gpu(tmp_path):
         ).stdout
     ):
         pytest.skip("a GPU is here: the full mode would run")
-    done = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "gpu"), str(tmp_path / "run")],
-        cwd=ROOT,
-        env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = gpu_command(tmp_path / "run", env, 300, smoke=False)
     assert done.returncode == 2
     assert "no GPU backend" in done.stderr and "--smoke" in done.stderr
 
 
 def test_a_spent_budget_skips_the_parts_and_says_so(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHON": sys.executable, "BUDGET": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = gpu_command(
+        out, {**os.environ, "PYTHON": sys.executable, "BUDGET": "0"}, 300
     )
     assert done.returncode == 1
     lines = (out / "summary.txt").read_text().splitlines()
@@ -120,14 +116,7 @@ def test_a_suite_cut_off_by_its_limit_says_which_tests_never_ran(tmp_path):
         "SUITE_LIMIT": "45",
         "PYTHONPATH": str(ROOT / "tests"),
     }
-    done = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "gpu"), "--smoke", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = gpu_command(out, env, 300)
     assert done.returncode == 1, done.stdout + done.stderr
     (line,) = (out / "summary.txt").read_text().splitlines()
     assert line.startswith("suite: TIMED OUT after 45 s"), line
