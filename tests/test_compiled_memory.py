@@ -44,14 +44,17 @@ def test_flax_sync_batch_norm_gradient_memory_below_hand_cast_and_float32():
     1.000 (EPYC) and 1.137 (AVX512-FP16). autocast / float32: 0.759 on 0.10.2
     and 0.12.0.1; on 0.7.0 1.012 (EPYC) and 0.386 (AVX512-FP16). On 0.10.2 the
     hand-cast model needs as much as float32 (1.009x), so the float32 bound is
-    the one that would catch activations left in float32.
+    the one that would catch activations left in float32. Since the norm's
+    statistics have their gradients summed in float32 (issue 47, item 4):
+    0.876 of hand-cast and 0.884 of float32 on 0.10.2; activations left in
+    float32 would need more than float32's 1.0.
     """
     autocast = sync_block_gradient_memory(jnp.float32, half, "batch")
     hand = sync_block_gradient_memory(jnp.float16, same, "batch")
     float32 = sync_block_gradient_memory(jnp.float32, same, "batch")
     ratios = {"hand": autocast / hand, "float32": autocast / float32}
     assert autocast <= hand, ratios
-    assert autocast <= 0.8 * float32, ratios
+    assert autocast <= 0.92 * float32, ratios
 
 
 def test_bias_rule_gradient_memory_as_hand_cast_and_below_promotion():

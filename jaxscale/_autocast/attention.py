@@ -64,22 +64,32 @@ _ARRAYS = (
 )
 # q, k, v and the bias: rounded to the autocast dtype.
 _CAST = frozenset({"query", "key", "value", "bias"})
-# The static arguments of each marked call: n -> (array names, statics).
-_CALLS: dict[int, tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]] = {}
-_KEYS: dict[Any, int] = {}
-_COUNTER = itertools.count()
-_LOCK = threading.RLock()
-_DEPTH = [0]
 
 
-def _key_of(names: tuple[str, ...], statics: tuple[tuple[str, Any], ...]) -> int:
-    entry = (names, statics)
-    with _LOCK:
-        if entry not in _KEYS:
-            n = next(_COUNTER)
-            _KEYS[entry] = n
-            _CALLS[n] = entry
-        return _KEYS[entry]
+class _Registry:
+    """The static arguments of the calls :func:`_marked` recorded (``n`` ->
+    array names and statics, ``n`` in the ``jit``'s name), and how many traces
+    are intercepting; one per process, behind a lock."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]]
+        self.calls = {}
+        self.keys: dict[Any, int] = {}
+        self.counter = itertools.count()
+        self.lock = threading.RLock()
+        self.depth = 0
+
+    def key_of(self, names: tuple[str, ...], statics: tuple) -> int:
+        entry = (names, statics)
+        with self.lock:
+            if entry not in self.keys:
+                n = next(self.counter)
+                self.keys[entry] = n
+                self.calls[n] = entry
+            return self.keys[entry]
+
+
+_REGISTRY = _Registry()
 
 
 def _marked(*args: Any, **kwargs: Any) -> Any:
@@ -94,7 +104,7 @@ def _marked(*args: Any, **kwargs: Any) -> Any:
     statics = tuple(sorted((n, v) for n, v in given.items() if n not in _ARRAYS))
     arrays = [given[n] for n in names]
     try:
-        key = _key_of(names, statics)
+        key = _REGISTRY.key_of(names, statics)
     except TypeError:  # an unhashable static argument: not ours to rewrite
         return _ORIGINAL(*args, **kwargs)
     if not all(isinstance(a, jax.Array | np.ndarray) for a in arrays):
@@ -114,16 +124,16 @@ def _marked(*args: Any, **kwargs: Any) -> Any:
 def intercepting() -> Iterator[None]:
     """While a function is traced for autocast: ``jax.nn.dot_product_attention``
     is :func:`_marked` (re-entrant; restored on exit)."""
-    with _LOCK:
-        if _DEPTH[0] == 0:
+    with _REGISTRY.lock:
+        if _REGISTRY.depth == 0:
             jax.nn.dot_product_attention = _marked
-        _DEPTH[0] += 1
+        _REGISTRY.depth += 1
     try:
         yield
     finally:
-        with _LOCK:
-            _DEPTH[0] -= 1
-            if _DEPTH[0] == 0:
+        with _REGISTRY.lock:
+            _REGISTRY.depth -= 1
+            if _REGISTRY.depth == 0:
                 jax.nn.dot_product_attention = _ORIGINAL
 
 
@@ -133,7 +143,7 @@ def is_attention(eqn: Any) -> bool:
     if not name.startswith(PREFIX):
         return False
     suffix = name[len(PREFIX) :]
-    return suffix.isdigit() and int(suffix) in _CALLS
+    return suffix.isdigit() and int(suffix) in _REGISTRY.calls
 
 
 def run(
@@ -143,7 +153,7 @@ def run(
     16-bit q, k, v where it applies, else ``written(*vals)``, the call's
     float32 body evaluated by the interpreter's rules; ``None`` to run it as
     any ``jit`` (a float32 autocast, or ``implementation="xla"``)."""
-    names, statics = _CALLS[int(jit_name(eqn)[len(PREFIX) :])]
+    names, statics = _REGISTRY.calls[int(jit_name(eqn)[len(PREFIX) :])]
     dtype = np.dtype(it.dtype)
     static = dict(statics)
     asked = static.pop("implementation", None)

@@ -77,6 +77,7 @@ __all__ = [
     "plugin_names",
     "promote",
     "retype_combiner",
+    "scaled_in_float32",
     "wide_product",
 ]
 
@@ -187,11 +188,7 @@ class Lower(RuleClass):
 
     def wide_result(self, it: Interpreter, eqn: Any, params: Any, vals: list) -> bool:
         """Whether the product comes out in float32 (see the class docstring)."""
-        return (
-            _widens(it, eqn, params, vals)
-            and _narrow_range(it.dtype)
-            and it.fold_of(eqn) is not None
-        )
+        return _widens(it, eqn, params, vals) and scaled_in_float32(it, eqn)
 
     def adjust_params(self, it, eqn, vals, traced):
         params = super().adjust_params(it, eqn, vals, traced)
@@ -242,6 +239,14 @@ class Wide(Lower):
 WIDE_NOTE = "float32 output: what uses it widens it to float32 anyway"
 # The note of a float16 product whose scale is applied before it is rounded.
 FOLD_NOTE = "float32 accumulation and scale, rounded to 16 bits after the scale"
+
+
+def scaled_in_float32(it: Interpreter, eqn: Any) -> bool:
+    """Whether ``"lower"`` returns the product ``eqn`` in float32, to take the
+    scalar scale that follows it before it is rounded (float16 only)."""
+    return (
+        bool(it.widens(eqn)) and _narrow_range(it.dtype) and it.fold_of(eqn) is not None
+    )
 
 
 def _narrow_range(dtype: np.dtype) -> bool:

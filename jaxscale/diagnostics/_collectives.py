@@ -4,7 +4,8 @@ What crosses devices is decided by XLA's partitioner, not by the jaxpr: a
 gradient's all-reduce appears only in the compiled program, and its dtype is the
 one the partitioner chose. This module compiles the function (or takes a
 compiled program, or its optimized HLO text, :meth:`CollectiveReport.from_hlo`),
-reads its collectives with :mod:`jaxscale._hlo`, and says of each what it moves
+reads its collectives with :mod:`jaxscale._hlo_collectives`, and says of each what it
+moves
 (dtype, shape, bytes per device, an estimate of the bytes each device sends),
 over which devices, and what it carries, read from the instruction's metadata:
 a gradient, jaxscale's finite flags, a float8 amax, a gathered argument...
@@ -22,7 +23,12 @@ import jax
 import numpy as np
 
 from jaxscale._autocast.interp import REGION_PREFIX
-from jaxscale._hlo import COLLECTIVE_KINDS, CollectiveOp, collectives, module_devices
+from jaxscale._hlo_collectives import (
+    COLLECTIVE_KINDS,
+    CollectiveOp,
+    collectives,
+    module_devices,
+)
 from jaxscale._scope import (
     AMAX_SCOPE,
     BLOCK_SCALES_SCOPE,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._autocast.classes import wide_product
+from jaxscale._autocast.classes import scaled_in_float32, wide_product
 from jaxscale._autocast.values import dtype_of
 from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
@@ -172,9 +172,9 @@ def _tap(
     formats: tuple[Format, ...],
 ):
     """The site's reference product, whose backward measures ``formats`` (the
-    others' fields are zeros). ``widens``: what uses the output widens it to
-    float32, so autocast's 16-bit product returns float32 there (the widening
-    rule)."""
+    others' fields are zeros). ``widens``: autocast's 16-bit product returns
+    float32 there, to take a scale in float32 before it is rounded (the float16
+    scale rule)."""
     makes = [
         (
             f,
@@ -275,6 +275,6 @@ class SensorRule(SiteRule):
         if probe is None:
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
-        widens = bool(it.widens(eqn))
+        widens = scaled_in_float32(it, eqn)
         tap = _tap(params, dims, it.dtype, self.loss_scale, widens, self.formats)
         return [tap(x, w, probe)]
