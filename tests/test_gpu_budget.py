@@ -124,6 +124,13 @@ def test_dynamic_scaling_adds_no_more_bytes_than_the_budget_autocast(scaling):
     ].lines()
 
 
+def test_dynamic_scaling_bytes_under_autocast_get_no_worse(scaling):
+    """The guard while autocast's step is over the hand-cast budget above."""
+    row = scaling["autocast"]
+    limit = BUDGET["scaling_bytes_per_param_autocast"]
+    assert row["bytes_per_param"] <= limit, row["account"].lines()
+
+
 # --------------------------------------------------------------------------- #
 # Gradients across 8 H200s.
 # --------------------------------------------------------------------------- #
