@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import all_eqns
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
@@ -65,6 +65,14 @@ def float8_dots(fun, *a):
     )
 
 
+# jax >= 0.8 (not on the dependency floors): a mesh of abstract devices of a kind.
+AbstractDevice = getattr(jax.sharding, "AbstractDevice", None)
+abstract_devices = pytest.mark.skipif(
+    AbstractDevice is None or not hasattr(jax.sharding, "use_abstract_mesh"),
+    reason="this jax has no jax.sharding.AbstractDevice / use_abstract_mesh",
+)
+
+
 def h200_mesh():
     device = AbstractDevice(device_kind=H200, num_cores=None, platform="gpu")
     return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
@@ -79,6 +87,7 @@ def test_the_two_kinds_choose_differently():
 
 
 @pytest.mark.unit
+@abstract_devices
 def test_a_mesh_of_h200s_in_context_prices_the_h200():
     # What a step traced on a CPU host for GPUs sees: no GPU here, but the mesh
     # says which device the step is for.
