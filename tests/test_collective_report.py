@@ -368,11 +368,13 @@ def test_flat_combined_all_reduce_is_split_into_the_arrays_it_concatenates():
     assert str(report).startswith("collective report: 4 collectives in 2 instructions")
 
 
-@pytest.mark.core
+@pytest.mark.integration
+@pytest.mark.pinned
 def test_a_combined_all_reduce_of_a_flax_step_labels_each_gradient(mesh):
     # Several small parameters: XLA:CPU combines their gradients, and the
     # forward loss sum, into one all-reduce of a tuple; each array is a record
-    # that says which module's parameter it is the gradient of.
+    # that says which module's parameter it is the gradient of. Whether XLA
+    # combines is one compiler's choice (jax 0.7.1's XLA:CPU does not): pinned.
     flax_linen = pytest.importorskip("flax.linen")
 
     class MLP(flax_linen.Module):
