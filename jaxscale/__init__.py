@@ -86,10 +86,28 @@ __all__ = [
 ]
 
 
-# The diagnostics family moved to ``jaxscale.diagnostics`` in 0.3.0, the autocast
-# report (``autocast_report``, ``AutocastReport``, ``AutocastSite``) with it; the
-# old top-level names stay for one release, with a warning.
-_MOVED_TO_DIAGNOSTICS = frozenset(diagnostics.__all__)
+# The diagnostics that were top-level names in 0.2.0 moved to ``jaxscale.diagnostics``
+# in 0.3.0; those names (and only those: the diagnostics added since never were
+# top-level) stay for one release as aliases that warn.
+_MOVED_TO_DIAGNOSTICS = frozenset(
+    (
+        "AutocastReport",
+        "AutocastSite",
+        "CotangentStats",
+        "OverflowEvent",
+        "ScaleAtFloorWarning",
+        "UnderflowReport",
+        "autocast_report",
+        "cotangent_probe",
+        "cotangent_report",
+        "cotangent_table",
+        "layer_norms",
+        "monitor",
+        "nonfinite_paths",
+        "summary",
+        "underflow_report",
+    )
+)
 
 
 def __getattr__(name: str):
@@ -104,4 +122,9 @@ def __getattr__(name: str):
             stacklevel=2,
         )
         return getattr(diagnostics, name)
+    if name in diagnostics.__all__:
+        raise AttributeError(
+            f"module 'jaxscale' has no attribute {name!r}; it is "
+            f"`jaxscale.diagnostics.{name}` (write `jxs.diagnostics.{name}`)"
+        )
     raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")

@@ -218,12 +218,51 @@ def test_the_test_command_also_runs_the_avx2_pass_the_floors_and_the_ceiling():
     assert "tests/test_gpu_budget.py" in budget
 
 
-@pytest.mark.parametrize("name", jxs.diagnostics.__all__)
+# The diagnostics that were top-level in 0.2.0 (the package's __all__ before
+# ffc0474 moved them, at version "0.2.0"): only these keep a warning alias.
+TOP_LEVEL_IN_0_2_0 = (
+    "AutocastReport",
+    "AutocastSite",
+    "CotangentStats",
+    "OverflowEvent",
+    "ScaleAtFloorWarning",
+    "UnderflowReport",
+    "autocast_report",
+    "cotangent_probe",
+    "cotangent_report",
+    "cotangent_table",
+    "layer_norms",
+    "monitor",
+    "nonfinite_paths",
+    "summary",
+    "underflow_report",
+)
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL_IN_0_2_0)
 def test_old_top_level_diagnostics_names_warn_and_alias(name):
     with pytest.warns(DeprecationWarning, match=rf"jxs\.diagnostics\.{name}"):
         alias = getattr(jxs, name)
     assert alias is getattr(jxs.diagnostics, name)
     assert name not in jxs.__all__
+
+
+@pytest.mark.parametrize(
+    "name", sorted(set(jxs.diagnostics.__all__) - set(TOP_LEVEL_IN_0_2_0))
+)
+def test_diagnostics_never_top_level_have_no_alias(name):
+    """No invented history: a name that no release had at the top level does not
+    resolve there, and the error says where it lives."""
+    with pytest.raises(AttributeError, match=rf"jxs\.diagnostics\.{name}"):
+        getattr(jxs, name)
+    assert not hasattr(jxs, name)
+
+
+def test_the_aliases_are_exactly_the_released_names():
+    from jaxscale import _MOVED_TO_DIAGNOSTICS
+
+    assert _MOVED_TO_DIAGNOSTICS == frozenset(TOP_LEVEL_IN_0_2_0)
+    assert _MOVED_TO_DIAGNOSTICS <= set(jxs.diagnostics.__all__)
 
 
 def test_unknown_top_level_name_raises_attribute_error():

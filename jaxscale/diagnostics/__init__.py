@@ -8,9 +8,9 @@ hooks ask for. Import it as ``jxs.diagnostics`` (``import jaxscale`` imports it)
 
     jxs.diagnostics.summary(opt_state)
 
-Until 0.3.0 these names were also at the top level (``jxs.summary``,
+The diagnostics of 0.2.0 were also top-level names (``jxs.summary``,
 ``jxs.autocast_report``); those aliases still work for one release and warn with a
-:class:`DeprecationWarning`.
+:class:`DeprecationWarning`. Names added since live here only.
 
 Examples:
     >>> import jax.numpy as jnp, optax
