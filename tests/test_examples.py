@@ -101,18 +101,6 @@ def test_there_are_examples():
 # Arguments beyond --steps 30, by file name (a smaller model where the default
 # would take minutes).
 ARGS = {
-    # Two of its five runs: tests/test_float8_example.py runs all five.
-    "float8_char.py": [
-        *("--seeds", "0", "--eval-every", "30"),
-        *("--runs", "bf16", "fp8-current"),
-    ],
-    # The plan row on a tiny model (fp32 and bf16 always run):
-    # tests/test_precision_example.py runs every row.
-    "precision_char.py": [
-        *("--seeds", "0", "--eval-every", "30", "--eval-batches", "1"),
-        *("--dim", "16", "--heads", "2", "--layers", "1", "--calibration", "1"),
-        *("--rows", "plan"),
-    ],
     "padded_lm.py": [
         *("--runs", "fp32,fp16-autocast", "--context", "16", "--dim", "16"),
         *("--layers", "1", "--heads", "2", "--mlp-dim", "32", "--batch", "4"),
@@ -125,7 +113,23 @@ ARGS = {
 }
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+# Examples with a test file of their own, which runs every row of them: each
+# example runs once per pass.
+OWN_TESTS = {
+    "float8_char.py": "test_float8_example.py",
+    "precision_char.py": "test_precision_example.py",
+}
+HERE = [s for s in SCRIPTS if s.name not in OWN_TESTS]
+
+
+def test_examples_with_their_own_test_have_one():
+    tests = Path(__file__).resolve().parent
+    for script, test in OWN_TESTS.items():
+        assert (EXAMPLES / script).is_file(), script
+        assert script in (tests / test).read_text(), (script, test)
+
+
+@pytest.mark.parametrize("script", HERE, ids=[s.name for s in HERE])
 def test_example_runs(script, tmp_path):
     proc = run_script(script, "--steps", "30", *ARGS.get(script.name, []), cwd=tmp_path)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}{proc.stderr}"
