@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import jaxscale as jxs
 from jaxscale._cost import (
     DEVICES,
     FALLBACK,
@@ -45,3 +46,18 @@ def test_the_two_prices_by_hand():
     assert gemm_seconds(2e12, 989.5e12, 1e9, bw) == pytest.approx(
         2e12 / (GEMM_EFFICIENCY * 989.5e12) + 1e9 / bw
     )
+
+
+def test_the_link_and_memory_presets_are_the_h100_sxm_row():
+    bandwidth = jxs.diagnostics.Bandwidth
+    assert bandwidth.NVLINK_H100.bytes_per_second == H100_SXM.link_bytes_per_second
+    assert bandwidth.H100_HBM.bytes_per_second == H100_SXM.cost.hbm_tbs * 1e12
+    for preset in (bandwidth.NVLINK_H100, bandwidth.H100_HBM):
+        assert preset.source.startswith(H100_SXM.sheet)
+
+
+def test_the_compression_table_states_the_fitted_constants():
+    """Its docstring gives the pass cost in numbers: they are the fitted ones."""
+    doc = jxs.diagnostics.compression_table.__doc__
+    assert f"{PASS_EFFICIENCY:.0%} of ``memory_bandwidth``" in doc
+    assert f"{KERNEL_US:g} us a\n    kernel" in doc
