@@ -64,8 +64,9 @@ import optax
 from flax import nnx
 
 import jaxscale as jxs
-from jaxscale._speed import Format, device_cost, site_seconds
-from jaxscale.float8._choice import choose, current_device
+from jaxscale._cost import current_device, device_cost
+from jaxscale._speed import Format, site_seconds
+from jaxscale.float8._choice import choose
 from jaxscale.precision._apply import PlanRule
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -88,7 +88,7 @@ def unpriced_kind_warns() -> Any:
     import pytest
 
     import jaxscale as jxs
-    from jaxscale._speed import is_known
+    from jaxscale._cost import is_known
 
     if is_known(jax.devices()[0].device_kind):
         return contextlib.nullcontext()

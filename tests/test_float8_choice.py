@@ -18,13 +18,8 @@ import pytest
 from helpers import all_eqns, unpriced_kind_warns
 
 import jaxscale as jxs
-from jaxscale.float8._choice import (
-    DEVICES,
-    FALLBACK,
-    device_cost,
-    predicted_ratio,
-    predicted_times,
-)
+from jaxscale._cost import DEVICES, FALLBACK, device_cost
+from jaxscale.float8._choice import predicted_ratio, predicted_times
 
 pytestmark = [pytest.mark.unit, pytest.mark.construct]
 
@@ -82,7 +77,7 @@ def test_the_fallback_kind_is_the_cautious_one():
 
 
 def test_device_kinds_are_found_by_name():
-    names = {p: c.name for p, c in DEVICES}
+    names = {d.pattern: d.cost.name for d in DEVICES}
     assert device_cost("NVIDIA H100 80GB HBM3")[1] == names["H100"]
     assert device_cost("NVIDIA H100 PCIe")[1] == names["H100 PCIe"]
     assert device_cost("NVIDIA H200")[1] == names["H200"]

@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
-from jaxscale._speed import target_kind
+from jaxscale._cost import target_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "NVIDIA H200"

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import jaxscale.precision as jxp
-from jaxscale._speed import device_cost, site_seconds
+from jaxscale._cost import device_cost
+from jaxscale._speed import site_seconds
 from jaxscale.precision._measure import in_order
 
 pytestmark = [pytest.mark.unit]

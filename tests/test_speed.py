@@ -12,16 +12,15 @@ import itertools
 
 import pytest
 
-from jaxscale._speed import (
+from jaxscale._cost import (
     DEVICES,
     FALLBACK,
     GEMM_EFFICIENCY,
     KERNEL_US,
     PASS_EFFICIENCY,
-    Format,
     device_cost,
-    site_seconds,
 )
+from jaxscale._speed import Format, site_seconds
 from jaxscale.float8._choice import predicted_times
 
 pytestmark = [pytest.mark.unit]
@@ -35,7 +34,8 @@ H200, _ = device_cost("NVIDIA H200")
     ("mkn", "nbytes"), list(itertools.product(SIZES, [(2, 4), (4, 4)]))
 )
 def test_float8s_choice_is_the_two_format_case(mkn, nbytes):
-    for _, cost in DEVICES:
+    for device in DEVICES:
+        cost = device.cost
         t16, t8 = predicted_times(*mkn, *nbytes, cost)
         assert t16 == site_seconds(Format.HALF, *mkn, *nbytes, cost)
         assert t8 == site_seconds(Format.FLOAT8, *mkn, *nbytes, cost)
@@ -87,8 +87,8 @@ def test_time_grows_with_every_size(fmt):
 
 
 def test_tf32_is_half_the_16_bit_peak_on_every_kind():
-    for _, cost in DEVICES:
-        assert cost.tf32_tflops == cost.bf16_tflops / 2
+    for device in DEVICES:
+        assert device.cost.tf32_tflops == device.cost.bf16_tflops / 2
 
 
 def test_a_format_is_required():

@@ -3,7 +3,9 @@
 One float32 gradient averaged four ways (a float32 or 16-bit ring all-reduce,
 :func:`jaxscale.reduce_gradients`' all-to-all in bfloat16 or float8), each timed
 on a link by :mod:`._wire_cost`'s formulas, the compressed ones charged the
-memory passes their quantisation and float32 sum make over the gradient.
+memory passes their quantisation and float32 sum make over the gradient, priced
+as every pass in jaxscale is (``jaxscale/_cost.py``: ``q`` of the HBM bandwidth
+plus ``c`` per kernel, fitted to an H200's float8 quantisation passes).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxscale._cost import pass_seconds
 from jaxscale.diagnostics._wire_cost import (
     Bandwidth,
     check_bandwidth,
@@ -46,21 +49,23 @@ def _wire_bytes(scheme: str, parameters: int, n: int, block: int) -> float:
     return 2 * share * (width + 4 / block) * parameters
 
 
-def _pass_bytes(scheme: str, parameters: int, n: int) -> float:
+def _passes(scheme: str, parameters: int, n: int) -> tuple[float, int]:
     """Memory traffic per device that :func:`jaxscale.reduce_mean` adds to the
-    collectives (an all-reduce's own reads and writes run inside it, at link
-    speed, and count as nothing): per float32 gradient value, quantise (read
-    twice: the block amax, then the scaled values; write ``w``), dequantise and
-    sum the ``n`` received chunks (read ``w``, write ``4 / n``), quantise the
-    mean (``(8 + w) / n``), dequantise what comes back (read ``w``, write 4);
-    float8's error feedback reads and writes both residuals (``8 + 8 / n``)."""
+    collectives, in bytes, and its kernels (an all-reduce's own reads and
+    writes run inside it, at link speed, and count as nothing): per float32
+    gradient value, quantise (read twice: the block amax, then the scaled
+    values; write ``w``), dequantise and sum the ``n`` received chunks (read
+    ``w``, write ``4 / n``), quantise the mean (``(8 + w) / n``), dequantise
+    what comes back (read ``w``, write 4): six kernels; float8's error feedback
+    reads and writes both residuals (``8 + 8 / n``), two kernels more. The
+    kernels are counted, one per pass named here, not read from a compile."""
     if scheme in SCHEMES[:2]:
-        return 0.0
+        return 0.0, 0
     w = 2 if scheme == "bfloat16 all-to-all" else 1
     per_value = 12 + 3 * w + (12 + w) / n
     if scheme == "float8 all-to-all":
-        per_value += 8 + 8 / n
-    return per_value * parameters
+        return (per_value + 8 + 8 / n) * parameters, 8
+    return per_value * parameters, 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,8 @@ class CompressionRow:
         16-bit all-reduce, bfloat16 all-to-all, float8 all-to-all), the
         communication time.
       pass_seconds: per scheme, the memory passes over the gradient that the
-        compressed reduction adds (0 for the all-reduces).
+        compressed reduction adds (0 for the all-reduces), priced as
+        :func:`compression_table` says.
       overhead_seconds: per scheme, what it adds to the step: the exposed
         communication plus the passes.
 
@@ -90,7 +96,7 @@ class CompressionRow:
       >>> row.devices, row.link, round(row.wire_seconds[0], 4)
       (8, '100 Gb Ethernet', 0.056)
       >>> row.pays_over_16bit, round(row.saved_over_16bit * 1e3, 1)
-      (True, 13.0)
+      (True, 10.6)
     """
 
     devices: int
@@ -128,7 +134,8 @@ class CompressionTable:
     Attributes:
       parameters: the gradient's values (float32 on each device).
       rows: one :class:`CompressionRow` per device count and link.
-      memory_bandwidth: the memory bandwidth of the passes, bytes per second.
+      memory_bandwidth: the device's memory bandwidth (a data sheet's), bytes
+        per second.
       overlap: the share of the compute that communication may hide behind.
       scaling: ``"weak"`` or ``"strong"``.
 
@@ -196,8 +203,10 @@ def compression_table(
     in float8 with error feedback (each with a float32 scale per
     ``block_size`` values). Each gets its link time from :func:`wire_time`'s
     formulas and the memory passes its quantisation and float32 sum make over
-    the gradient (counted in :class:`CompressionRow`), at
-    ``memory_bandwidth``. The step's *overhead* is the exposed communication
+    the gradient (counted in :class:`CompressionRow`), priced as the speed model
+    prices every pass: the bytes at 24% of ``memory_bandwidth`` plus 3.1 us a
+    kernel (fitted to float8's quantisation passes on an H200,
+    ``docs/float8.md``). The step's *overhead* is the exposed communication
     (``max(0, wire - overlap * compute)``) plus the passes; float8 *pays* where
     its overhead is below the 16-bit all-reduce's. The bfloat16 all-to-all never
     pays on time against a 16-bit all-reduce (the same bytes, plus passes): it
@@ -212,7 +221,8 @@ def compression_table(
       step_compute_seconds: the step's compute time (at ``devices[0]``).
       devices: the device counts, each ``>= 2``.
       links: the links, :class:`Bandwidth` or bytes per second.
-      memory_bandwidth: bytes per second of the passes over the gradient.
+      memory_bandwidth: the device's memory bandwidth, bytes per second (a data
+        sheet's figure: the passes reach 24% of it).
       overlap: the share of the compute that communication may hide behind,
         in ``[0, 1]`` (0: after the backward pass, as
         :func:`jaxscale.reduce_gradients` runs).
@@ -238,9 +248,9 @@ def compression_table(
       ... )
       >>> row = table.rows[0]
       >>> [round(t * 1e3, 3) for t in row.overhead_seconds]  # ms per scheme
-      [1.936, 0.968, 1.709, 1.443]
+      [1.936, 0.968, 4.051, 4.482]
       >>> row.pays_over_16bit, row.pays_over_float32
-      (False, True)
+      (False, False)
 
     ``print(table)`` shows it as a Markdown table (docs/multidevice.md).
 
@@ -286,7 +296,7 @@ def compression_table(
                 _wire_bytes(s, size, n, block) / bw + alpha * 2 * (n - 1)
                 for s in SCHEMES
             )
-            passes = tuple(_pass_bytes(s, size, n) / memory for s in SCHEMES)
+            passes = tuple(pass_seconds(*_passes(s, size, n), memory) for s in SCHEMES)
             over = tuple(
                 exposed_time(w, at_n, share) + p
                 for w, p in zip(wire, passes, strict=True)

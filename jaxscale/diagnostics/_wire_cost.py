@@ -17,7 +17,8 @@ collective-permute  size                 1
 =================  ===================  ============
 
 :func:`compression_table` (``_compression.py``) applies it to gradient
-transport. Every figure is a :class:`Bandwidth` that names its source.
+transport. Every figure is a :class:`Bandwidth` that names its source; a GPU's
+own (NVLink, HBM) are its row of the one device table (``jaxscale/_cost.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from jaxscale._cost import H100_SXM
 from jaxscale.diagnostics._collectives import Collective, CollectiveReport
 from jaxscale.diagnostics._report_text import columns, human_bytes, typed
 
@@ -58,7 +60,8 @@ class Bandwidth:
     * ``Bandwidth.ETHERNET_100G``: 12.5 GB/s, one 100 Gb/s Ethernet port per
       GPU (IEEE 802.3 100GBASE), a cloud cluster without InfiniBand.
     * ``Bandwidth.H100_HBM``: 3.35 TB/s, an H100 SXM's HBM3 (memory, not a
-      link: what a pass over the gradient runs at).
+      link: the data sheet's figure, of which a pass over the gradient reaches
+      the fitted share that :func:`compression_table` states).
 
     ``Bandwidth.LINKS`` is the three links, fastest first.
 
@@ -89,8 +92,8 @@ class Bandwidth:
 
 Bandwidth.NVLINK_H100 = Bandwidth(
     "NVLink 4",
-    450e9,
-    "NVIDIA H100 Tensor Core GPU datasheet: NVLink 900 GB/s (SXM), both "
+    H100_SXM.link_bytes_per_second,
+    f"{H100_SXM.sheet}: NVLink {H100_SXM.nvlink_gbs:g} GB/s (SXM), both "
     "directions together",
 )
 Bandwidth.INFINIBAND_NDR = Bandwidth(
@@ -104,8 +107,8 @@ Bandwidth.ETHERNET_100G = Bandwidth(
 )
 Bandwidth.H100_HBM = Bandwidth(
     "H100 SXM HBM3",
-    3.35e12,
-    "NVIDIA H100 Tensor Core GPU datasheet: GPU memory bandwidth 3.35 TB/s (SXM)",
+    H100_SXM.cost.hbm_tbs * 1e12,
+    f"{H100_SXM.sheet}: GPU memory bandwidth {H100_SXM.cost.hbm_tbs:g} TB/s (SXM)",
 )
 Bandwidth.LINKS = (
     Bandwidth.NVLINK_H100,

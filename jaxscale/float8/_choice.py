@@ -16,13 +16,12 @@ a float8 site is decided here, in this order (:func:`choose`):
 formats: a site's three products in 16 bits, each operand wider than 16 bits
 cast by a pass of its own, against the same products in float8 with their
 quantisation passes (an amax and a cast per operand and for the gradient, a
-transpose of each float8 tensor). Its figures are per device kind
-(:data:`DEVICES`); ``e``, ``q`` and ``c`` were fitted to the one-site sweep
-measured on an H200 (``docs/measurements.md``, "Float8 on a GPU";
-``docs/float8.md`` gives the fit).
+transpose of each float8 tensor). Its figures are per device kind and its
+constants ``e``, ``q`` and ``c`` fitted once, in the one cost model
+(:mod:`jaxscale._cost`; ``docs/float8.md`` gives the fit).
 
 **Which device kind** (:func:`target_device`): the recipe's ``device_kind``;
-else the kind the traced program is for (:func:`jaxscale._speed.target_kind`):
+else the kind the traced program is for (:func:`jaxscale._cost.target_kind`):
 the devices of the product's operands' sharding (arguments placed on a mesh, or
 ``ShapeDtypeStruct`` arguments with a sharding on a deviceless topology), the
 mesh in context, JAX's default device. A kind not in the table (the CPU
@@ -43,28 +42,21 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxscale._autocast.interp import AutocastWarning
-from jaxscale._speed import (
+from jaxscale._cost import (
     DEVICES,
     FALLBACK,
     DeviceCost,
-    Format,
-    current_device,
     device_cost,
     is_known,
-    site_seconds,
     target_kind,
 )
+from jaxscale._speed import Format, site_seconds
 
 __all__ = [
-    "DEVICES",
-    "FALLBACK",
     "Choice",
-    "DeviceCost",
     "check_device_kind",
     "check_sites",
     "choose",
-    "current_device",
-    "device_cost",
     "predicted_ratio",
     "predicted_times",
     "target_device",
@@ -104,15 +96,16 @@ def target_device(
 ) -> tuple[DeviceCost, str]:
     """The figures the cost model uses and the name its notes give them: of
     ``device_kind`` if given, else of the kind the traced program is for
-    (:func:`jaxscale._speed.target_kind` of ``values``, a product's operands).
-    A kind the model has no figures for takes :data:`FALLBACK`'s, with an
-    :class:`~jaxscale.AutocastWarning` that names the kind, where it was found
-    and how to name the target instead."""
+    (:func:`jaxscale._cost.target_kind` of ``values``, a product's operands).
+    A kind the model has no figures for takes
+    :data:`jaxscale._cost.FALLBACK`'s, with an :class:`~jaxscale.AutocastWarning`
+    that names the kind, where it was found and how to name the target
+    instead."""
     if device_kind is not None:
         return device_cost(device_kind)
     kind, source = target_kind(values)
     if not is_known(kind):
-        known = ", ".join(repr(c.name) for _, c in DEVICES)
+        known = ", ".join(repr(d.cost.name) for d in DEVICES)
         warnings.warn(
             "jxs.autocast(float8=...): the cost model that chooses which matmuls "
             f"run in float8 has no figures for the device kind {kind!r} (from "
@@ -203,11 +196,12 @@ def check_sites(value: Any) -> tuple[tuple[str, bool], ...]:
 
 
 def check_device_kind(value: Any) -> str | None:
-    """``device_kind``: ``None`` or a kind :data:`DEVICES` knows."""
+    """``device_kind``: ``None`` or a kind :data:`jaxscale._cost.DEVICES`
+    knows."""
     if value is None:
         return None
-    known = [p for p, _ in DEVICES]
-    if not isinstance(value, str) or not any(p.lower() in value.lower() for p in known):
+    known = [d.pattern for d in DEVICES]
+    if not isinstance(value, str) or not is_known(value):
         raise ValueError(
             "`device_kind` must be None (the kind the traced step is for) or "
             f"name a kind the cost model has figures for (one of {known}, as in "

@@ -20,7 +20,7 @@ Examples:
     {'mlp': <Format.FLOAT8: 'float8'>}
 """
 
-from jaxscale._speed import DeviceCost as DeviceCost
+from jaxscale._cost import DeviceCost as DeviceCost
 from jaxscale._speed import Format as Format
 from jaxscale.precision._calibrate import Sensor as Sensor
 from jaxscale.precision._calibrate import plan_precision as plan_precision

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast.entry import autocast, check_dtype
-from jaxscale._speed import DeviceCost, Format, current_device
+from jaxscale._cost import DeviceCost, current_device
+from jaxscale._speed import Format
 from jaxscale.precision._measure import PRECISION, SiteMeasure, number
 from jaxscale.precision._plan import Plan
 from jaxscale.precision._sensor import (

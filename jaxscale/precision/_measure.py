@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from jaxscale._speed import DeviceCost, Format, site_seconds
+from jaxscale._cost import DeviceCost
+from jaxscale._speed import Format, site_seconds
 
 __all__ = ["FORMATS", "PRECISION", "SiteMeasure", "in_order", "number", "score"]
 

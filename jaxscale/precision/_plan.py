@@ -15,7 +15,8 @@ import json
 import math
 from typing import Any
 
-from jaxscale._speed import DeviceCost, Format
+from jaxscale._cost import DeviceCost
+from jaxscale._speed import Format
 from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._measure import FORMATS, SiteMeasure, in_order, number, score
 

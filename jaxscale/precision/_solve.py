@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxscale._speed import DeviceCost, Format, device_cost
+from jaxscale._cost import DeviceCost, device_cost
+from jaxscale._speed import Format
 from jaxscale.precision._measure import PRECISION, SiteMeasure, in_order, number
 from jaxscale.precision._plan import Plan, site_plan, solver_why
 
