@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +67,7 @@ import numpy as np
 import optax
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 F16, F32 = jnp.float16, jnp.float32
 LR = 1e-4
@@ -304,36 +304,30 @@ def time_interleaved(compiled, params, batch, rounds, steps, warmup=2):
     return times, skipped
 
 
-_CONVERT_HLO = re.compile(r"= (\w+)\[[^\]]*\]\{?[^ ]* convert\(")
-_CONVERT_MLIR = re.compile(r"stablehlo\.convert .*-> tensor<(?:[\d?]+x)*(\w+)>")
-
-
-def count_converts(text: str, pattern: re.Pattern) -> dict[str, int]:
-    """``convert`` ops in an HLO/StableHLO text, by result element type."""
-    return dict(collections.Counter(pattern.findall(text)))
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(")
+def compiled_converts(hlo: str) -> dict[str, int]:
+    """``convert`` ops of a compiled program (fused computations included), by
+    result element type."""
+    return dict(
+        collections.Counter(
+            _hlo.shapes(i.type)[0][0]
+            for i in _hlo.instructions(hlo)
+            if i.opcode == "convert" and not i.type.startswith("(")
+        )
+    )
 
 
 def instructions(hlo: str) -> collections.Counter:
     """The compiled HLO's instructions (fused computations included) as a
     multiset of ``(opcode, result type)``, layouts and names dropped."""
-    out: collections.Counter = collections.Counter()
-    for line in hlo.splitlines():
-        m = _INSTR.match(line)
-        if m:
-            out[m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1))] += 1
-    return out
+    return collections.Counter(
+        (i.opcode, _hlo.strip_layouts(i.type)) for i in _hlo.instructions(hlo)
+    )
 
 
 def _elements(result_type: str) -> int:
     if result_type.startswith("("):  # a tuple (a loop's state): not one tensor
         return 0
-    dims = re.findall(r"\[([\d,]*)\]", result_type)
-    return max(
-        (int(np.prod([int(d) for d in x.split(",") if d])) for x in dims), default=0
-    )
+    return max((int(np.prod(d)) for _, d in _hlo.shapes(result_type)), default=0)
 
 
 def hlo_difference(hand: collections.Counter, other: collections.Counter) -> str:
@@ -374,8 +368,8 @@ def programs(variants, params, batch, repeats):
         out[name] = {
             "lower": statistics.median(lower_t),
             "compile": statistics.median(compile_t),
-            "converts_pre": count_converts(lowered.as_text(), _CONVERT_MLIR),
-            "converts_opt": count_converts(compiled.as_text(), _CONVERT_HLO),
+            "converts_pre": dict(_hlo.stablehlo_converts(lowered.as_text())),
+            "converts_opt": compiled_converts(compiled.as_text()),
             "temp": getattr(mem, "temp_size_in_bytes", 0) if mem else 0,
             "instructions": instructions(compiled.as_text()),
         }

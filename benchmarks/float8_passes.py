@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 import time
 import warnings
@@ -66,6 +65,7 @@ import gpu  # noqa: E402 (after the path)
 import hlo_account  # noqa: E402
 
 import jaxscale as jxs  # noqa: E402
+from jaxscale import _hlo  # noqa: E402
 
 BF16 = jnp.bfloat16
 SDS = jax.ShapeDtypeStruct
@@ -168,68 +168,15 @@ def step_of(
 # The accounting
 # --------------------------------------------------------------------------- #
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2,
-          "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
-_CALLS = re.compile(r"\b(?:to_apply|body|condition|calls)=%?([\w.\-]+)")
-_STABLEHLO_DOT = re.compile(
-    r"stablehlo\.dot_general.*?:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*"
-    r"(tensor<[^>]*>)"
-)
-
-
-def _bytes_of(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        total += int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES[dtype]
-    return total
+_F8 = ("f8E4M3FN", "f8E5M2")  # StableHLO's float8 element types
 
 
 def kernels(hlo: str) -> tuple[collections.Counter, int]:
     """The kernels on the executed path of a compiled module, by opcode, and
-    the bytes they move (each: output plus operands)."""
-    comps: dict[str, list[str]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-            comps[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-        elif current is not None and line.strip() == "}":
-            current = None
-        elif current is not None and " = " in line:
-            comps[current].append(line)
-    ops: collections.Counter = collections.Counter()
-    nbytes = 0
-
-    def walk(name: str) -> None:
-        nonlocal nbytes
-        shapes: dict[str, str] = {}
-        for line in comps.get(name, []):
-            var, rhs = line.split(" = ", 1)
-            var = var.split()[-1].lstrip("%")
-            m = re.match(r"(.*?) ([\w\-]+)\((.*)$", rhs)
-            if not m:
-                continue
-            out_type, op, rest = m.groups()
-            shapes[var] = out_type
-            if op in ("call", "while", "conditional"):
-                for callee in _CALLS.findall(rest):
-                    walk(callee)
-                continue
-            if op in _FREE:
-                continue
-            ops[op] += 1
-            args = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-            nbytes += _bytes_of(out_type) + sum(
-                _bytes_of(shapes.get(a, "")) for a in args
-            )
-
-    if entry is not None:
-        walk(entry)
-    return ops, nbytes
+    the bytes they move (each: output plus operands), as ``jaxscale._hlo``
+    reads them."""
+    found = _hlo.kernels(hlo)
+    return collections.Counter(k.opcode for k in found), sum(k.bytes for k in found)
 
 
 def site_elements(lowered: str) -> tuple[int, int]:
@@ -237,13 +184,11 @@ def site_elements(lowered: str) -> tuple[int, int]:
     (``MK + KN + MN`` each), from its float8 ``dot_general``s (three per site,
     each touching the three matrices once)."""
     dots, elements = 0, 0
-    for line in lowered.splitlines():
-        m = _STABLEHLO_DOT.search(line)
-        if m and ("f8E4M3FN" in line or "f8E5M2" in line):
+    for dot in _hlo.stablehlo_dots(lowered):
+        types = (*dot.operands, dot.result)
+        if len(dot.operands) == 2 and any(t.startswith(_F8) for t, _ in types):
             dots += 1
-            for t in m.groups():
-                dims = t[len("tensor<") : -1].split("x")[:-1]
-                elements += int(np.prod([int(d) for d in dims]))
+            elements += sum(int(np.prod(dims)) for _, dims in types)
     return round(dots / 3), elements // 3
 
 

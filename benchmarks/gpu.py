@@ -128,7 +128,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -149,6 +148,7 @@ if str(ROOT) not in sys.path:  # run from anywhere, jaxscale from this checkout
     sys.path.insert(0, str(ROOT))
 
 import jaxscale as jxs  # noqa: E402 (after the path)
+from jaxscale import _hlo  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the sibling hlo_account.py
 import hlo_account  # noqa: E402 (after the path)
@@ -368,24 +368,6 @@ def make_step(
 # The compiled HLO: conditionals, whiles and CUDA-graph command buffers.
 # --------------------------------------------------------------------------- #
 
-_CALLEE = re.compile(
-    r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
-    r"=%?([\w.\-]+)"
-)
-_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-
-
-def _opcode(rhs: str) -> str:
-    """The opcode of an instruction's right-hand side, ``<type> <opcode>(...)``."""
-    start, depth = 0, 0
-    if rhs.startswith("("):  # a tuple type: skip to its closing parenthesis
-        for start, ch in enumerate(rhs):  # noqa: B007 (used after the loop)
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                break
-    m = re.match(r"\S*\s+([\w\-]+)\(", rhs[start:])
-    return m.group(1) if m else ""
-
 
 def hlo_census(hlo: str) -> dict[str, Any]:
     """The ``conditional`` and ``while`` instructions of an optimized module.
@@ -400,39 +382,22 @@ def hlo_census(hlo: str) -> dict[str, Any]:
       "while": [...], "command_buffers": number of command-buffer
       computations}``.
     """
-    comps: dict[str, list[str]] = {}  # computation: instructions' right-hand sides
-    names: dict[str, list[str]] = {}  # computation: instructions' names
-    current = None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            head = line.removeprefix("ENTRY ").split(" ", 1)[0]
-            current = head.lstrip("%")
-            comps[current], names[current] = [], []
-        elif current is not None and line.strip() == "}":
-            current = None
-        elif current is not None and " = " in line:
-            var, rhs = line.split(" = ", 1)
-            comps[current].append(rhs)
-            names[current].append(var.split()[-1].lstrip("%"))
-    calls = {name: set() for name in comps}
-    for name, rhss in comps.items():
-        for rhs in rhss:
-            calls[name].update(_CALLEE.findall(rhs))
-            for group in _CALLEES.findall(rhs):
-                calls[name].update(n.strip().lstrip("%") for n in group.split(","))
+    found = _hlo.instructions(hlo)
+    comps = list(dict.fromkeys(i.computation for i in found))
+    calls: dict[str, set[str]] = {name: set() for name in comps}
+    for i in found:
+        calls[i.computation].update(_hlo.called(i.attrs))
     inside = {n for n in comps if "command_buffer" in n}
     todo = list(inside)
     while todo:
         for callee in calls.get(todo.pop(), ()):
-            if callee in comps and callee not in inside:
+            if callee in calls and callee not in inside:
                 inside.add(callee)
                 todo.append(callee)
     out: dict[str, Any] = {"conditional": [], "while": []}
-    for name, rhss in comps.items():
-        for rhs, var in zip(rhss, names[name], strict=True):
-            op = _opcode(rhs)
-            if op in out:
-                out[op].append((var, name, name in inside))
+    for i in found:
+        if i.opcode in out:
+            out[i.opcode].append((i.name, i.computation, i.computation in inside))
     out["command_buffers"] = sum("command_buffer" in n for n in comps)
     return out
 

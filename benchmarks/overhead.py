@@ -53,7 +53,6 @@ On a shared machine, single-threaded XLA pinned to one core is steadier::
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -66,6 +65,7 @@ import numpy as np
 import optax
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 F16 = jnp.float16
 LR = 1e-4
@@ -360,91 +360,22 @@ def report(
 # The mechanism: fusions and bytes on the executed path of a finite step.
 # --------------------------------------------------------------------------- #
 
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2,
-                "s8": 1, "u8": 1, "pred": 1, "s64": 8, "u64": 8}  # fmt: skip
-_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|u64|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
-_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
-
-
-def _bytes_of(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _DTYPE_BYTES[dtype]
-    return total
-
-
 _MOVES = ("fusion", "copy", "transpose")
 
 
 def executed_path(hlo: str) -> tuple[int, int]:
     """``(fusions, bytes)`` on the path a *finite* step executes.
 
-    Walks the compiled module from its entry computation, following ``call``
-    targets and only the ``true_computation`` of every ``conditional`` (the
-    finite branch of jaxscale's ``lax.cond``s: the exact check's fallback and
-    the skip branch are not run). Bytes are XLA's convention for a fusion:
-    its output plus its operands, from the shapes in the HLO text; copies and
-    transposes outside fusions count the same way (they move memory too).
+    The kernels ``jaxscale._hlo.kernels`` finds on that path (from the entry
+    computation, following ``call`` targets and only the finite branch of
+    every ``conditional``: the exact check's fallback and the skip branch are
+    not run) that are fusions, or copies and transposes outside fusions
+    (copy insertion's copies of donated buffers, layout changes: they move
+    memory too). Bytes are XLA's convention for a fusion: its output plus its
+    operands, from the shapes in the HLO text.
     """
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        m = _COMP.match(line)
-        if m and line[:1] in ("%", "E"):  # a header, not an indented instruction
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None and line.strip() == "}":
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-
-    def walk(name: str) -> tuple[int, int]:
-        shapes: dict[str, str] = {}
-        fusions = nbytes = 0
-        for line in comps.get(name, []):
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            var, rhs = m.groups()
-            parts = re.match(r"(.*?) ([\w\-]+)\((.*)$", rhs)
-            if not parts:
-                continue
-            out_type, op, rest = parts.groups()
-            shapes[var] = out_type
-            if op in _MOVES:
-                # A kernel of its own that reads and writes memory: a fusion,
-                # or a copy or transpose outside one (copy insertion's copies
-                # of donated buffers, layout changes).
-                fusions += op == "fusion"
-                args = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-                nbytes += _bytes_of(out_type) + sum(
-                    _bytes_of(shapes.get(a, "")) for a in args
-                )
-            for target in re.findall(
-                r"(?:to_apply|true_computation)=%?([\w.\-]+)", rhs
-            ):
-                if op in ("call", "conditional"):
-                    f, b = walk(target)
-                    fusions, nbytes = fusions + f, nbytes + b
-            if op == "conditional" and "branch_computations" in rhs:
-                first = re.search(r"branch_computations=\{%?([\w.\-]+)", rhs)
-                # A boolean predicate lowers to branches {false, true}; an index
-                # predicate to {0, 1, ...}: jaxscale's finite path is branch 1.
-                names = re.findall(
-                    r"%?([\w.\-]+)", rhs.split("branch_computations={")[1].split("}")[0]
-                )
-                if first and len(names) > 1:
-                    f, b = walk(names[1])
-                    fusions, nbytes = fusions + f, nbytes + b
-        return fusions, nbytes
-
-    return walk(entry) if entry else (0, 0)
+    moves = [k for k in _hlo.kernels(hlo) if k.opcode in _MOVES]
+    return sum(k.opcode == "fusion" for k in moves), sum(k.bytes for k in moves)
 
 
 def mechanism(

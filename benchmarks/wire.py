@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -112,18 +111,7 @@ def worker_error(n: int, size: int) -> dict[str, float]:
     return out
 
 
-COLLECTIVE = re.compile(
-    r"= (\(.*?\)|\S+) (all-to-all|all-reduce|all-gather)(?:-start)?\("
-)
-ITEMSIZE = {
-    "f32": 4,
-    "f16": 2,
-    "bf16": 2,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s32": 4,
-    "pred": 1,
-}
+WIRE_KINDS = ("all-to-all", "all-reduce", "all-gather")
 
 
 def sent_bytes(hlo: str, n: int, wire_itemsize: int | None) -> float:
@@ -131,18 +119,19 @@ def sent_bytes(hlo: str, n: int, wire_itemsize: int | None) -> float:
     dtypes compiled, or with the gradient-sized buffers (the largest; the block
     scales are ``block_size`` times smaller and stay float32) at
     ``wire_itemsize`` bytes per value."""
-    found = []
-    for result, kind in COLLECTIVE.findall(hlo):
-        share = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-        counts: dict[str, int] = {}  # a tuple-shaped collective: one buffer
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
-            count = int(np.prod([int(d) for d in dims.split(",") if d]))
-            counts[dtype] = counts.get(dtype, 0) + count
-        found += [(share, dtype, count) for dtype, count in counts.items()]
-    largest = max((c for _, _, c in found), default=0)
+    from jaxscale._hlo import DTYPE_BYTES
+    from jaxscale._hlo_collectives import collectives
+
+    counts: dict[tuple[str, str, str], int] = {}  # a combined collective: one
+    for c in collectives(hlo):  # buffer per dtype
+        if c.kind in WIRE_KINDS:
+            key = (c.instruction, c.kind, c.dtype)
+            counts[key] = counts.get(key, 0) + int(np.prod(c.shape))
+    largest = max(counts.values(), default=0)
     total = 0.0
-    for share, dtype, count in found:
-        size = ITEMSIZE.get(dtype, 4)
+    for (_, kind, dtype), count in counts.items():
+        share = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        size = DTYPE_BYTES[dtype]
         if wire_itemsize is not None and count * 2 > largest:
             size = wire_itemsize
         total += share * count * size

@@ -1,15 +1,17 @@
 """Kernels and bytes of a compiled program, from its optimized HLO text.
 
-The one reader of XLA's optimized HLO text in the package (with
-:mod:`jaxscale._hlo_collectives`, which reads the collectives with this
-module's helpers): the accounting that
-``benchmarks/step_account.py``, ``benchmarks/gpu.py`` and
-``benchmarks/float8_passes.py`` share (each kernel on the executed path, with
-the bytes it reads and writes, XLA's own convention, and the difference of two
-programs), and the collectives that
-:func:`jaxscale.diagnostics.collective_report` reports. It reads text only: it
-imports nothing of jaxscale and works for any backend's compile, a deviceless
-GPU compile included.
+The one reader of XLA's HLO text in the package, the benchmarks and the tests
+(with :mod:`jaxscale._hlo_collectives`, which reads the collectives with this
+module's helpers): every instruction of a module (:func:`instructions`, with
+what it calls and its attributes), the kernels on the executed path with the
+bytes each reads and writes, XLA's own convention, and the difference of two
+programs (the accounting of ``benchmarks/step_account.py``, ``gpu.py``,
+``overhead.py`` and ``float8_passes.py``), and the ``dot_general`` and
+``convert`` operations of a lowered (StableHLO) program (:func:`stablehlo_dots`,
+:func:`stablehlo_converts`: the float8 GEMM check's input). No other module
+keeps a regular expression over HLO text or a table of bytes per dtype
+(``tests/test_hlo.py`` checks it). It reads text only: it imports nothing of
+jaxscale and works for any backend's compile, a deviceless GPU compile included.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ from types import MappingProxyType
 __all__ = [
     "DTYPE_BYTES",
     "Account",
+    "Dot",
+    "Instruction",
     "Kernel",
+    "attribute",
+    "backend_kind",
+    "called",
     "categories",
     "computations",
     "difference",
+    "instructions",
     "kernels",
     "label",
     "nbytes",
@@ -34,6 +42,10 @@ __all__ = [
     "operands",
     "shapes",
     "split_type",
+    "stablehlo_converts",
+    "stablehlo_dots",
+    "stablehlo_ops",
+    "strip_layouts",
 ]
 
 #: Bytes per element of each HLO element type.
@@ -67,6 +79,23 @@ class Kernel:
     @property
     def bytes(self) -> int:
         return self.reads + self.writes
+
+    @property
+    def opcode(self) -> str:
+        """The HLO opcode: ``kind`` without its fusion kind or call target."""
+        return self.kind.split(":", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of an HLO module, as :func:`instructions` reads it."""
+
+    computation: str  # the computation holding it (fused computations too)
+    name: str  # "fusion.3", without its "%"
+    opcode: str  # "fusion", "convert", "all-reduce-start", ...
+    type: str  # its result type as written, layouts included: "f32[4,8]{1,0}"
+    operands: tuple[str, ...]  # the names of its operands
+    attrs: str  # the text after its operands: "kind=kLoop, calls=%f, ..."
 
 
 def shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -138,6 +167,58 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
         elif current is not None and " = " in line:
             comps[current].append(line.strip().removeprefix("ROOT "))
     return comps, entry
+
+
+def instructions(hlo: str) -> list[Instruction]:
+    """Every instruction of an HLO module, in the order of its text (the
+    instructions of fused and called computations included)."""
+    out = []
+    for comp, lines in computations(hlo)[0].items():
+        for line in lines:
+            var, rhs = line.split(" = ", 1)
+            typ, rest = split_type(rhs)
+            op, args, attrs = operands(rest)
+            name = var.split()[-1].lstrip("%")
+            out.append(Instruction(comp, name, op, typ, tuple(args), attrs))
+    return out
+
+
+def attribute(attrs: str, key: str) -> str:
+    """The value of ``key=`` in an instruction's attributes, unquoted (``""``
+    if absent): a fusion's ``kind`` (``"kLoop"``), a custom call's
+    ``custom_call_target``, a fusion's ``calls``, a ``get-tuple-element``'s
+    ``index``."""
+    m = re.search(rf'\b{re.escape(key)}=(?:"([^"]*)"|%?([^\s,{{}}]+))', attrs)
+    return (m.group(1) if m.group(1) is not None else m.group(2)) if m else ""
+
+
+def backend_kind(attrs: str) -> str:
+    """The ``"kind"`` of an instruction's ``backend_config`` (``""`` if none):
+    an XLA:GPU Triton fusion's ``"__triton_gemm"``."""
+    m = re.search(r'"kind":"([^"]*)"', attrs)
+    return m.group(1) if m else ""
+
+
+def called(attrs: str) -> list[str]:
+    """Every computation an instruction's attributes name: ``to_apply``,
+    ``calls``, ``body``, ``condition``, ``true_computation``,
+    ``false_computation``, ``branch_computations`` and
+    ``called_computations``."""
+    out = re.findall(
+        r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
+        r"=%?([\w.\-]+)",
+        attrs,
+    )
+    for group in re.findall(
+        r"\b(?:branch_computations|called_computations)=\{([^}]*)\}", attrs
+    ):
+        out += [n.strip().lstrip("%") for n in group.split(",")]
+    return out
+
+
+def strip_layouts(typ: str) -> str:
+    """A type without its layouts: ``"f32[4,8]"`` for ``"f32[4,8]{1,0}"``."""
+    return re.sub(r"\{[^}]*\}", "", typ)
 
 
 def op_name(attrs: str) -> str:
@@ -314,5 +395,72 @@ def categories(
 
 
 # --------------------------------------------------------------------------- #
-# Collectives
+# The lowered program: StableHLO text
 # --------------------------------------------------------------------------- #
+
+_DOT = re.compile(
+    r"stablehlo\.dot_general\s+(?P<args>.*?):\s*\((?P<types>.*?)\)\s*->\s*"
+    r"(?P<out>tensor<[^>]*>)"
+)
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+_CONVERT = re.compile(r"stablehlo\.convert .*-> tensor<(?:[\d?]+x)*(\w+)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One ``stablehlo.dot_general`` of a lowered program. A type is
+    ``(element type, dims)``, StableHLO's spelling: ``("f8E4M3FN", (32, 64))``
+    (a dynamic dimension is -1); dimension numbers are ``(lhs, rhs)`` tuples,
+    ``None`` where the dot has none; ``attrs`` is the text between the operands
+    and the types (dimension numbers, precision, a dot ``algorithm``)."""
+
+    operands: tuple[tuple[str, tuple[int, ...]], ...]
+    result: tuple[str, tuple[int, ...]]
+    batching: tuple[tuple[int, ...], tuple[int, ...]] | None
+    contracting: tuple[tuple[int, ...], tuple[int, ...]] | None
+    attrs: str = ""
+
+
+def _tensor(body: str) -> tuple[str, tuple[int, ...]]:
+    *dims, dtype = body.split("x")
+    return dtype, tuple(int(d) if d.isdigit() else -1 for d in dims)
+
+
+def _dimension_numbers(args: str, kind: str):
+    m = re.search(rf"{kind}\s*=\s*\[([^\]]*)\]\s*x\s*\[([^\]]*)\]", args)
+    if m is None:
+        return None
+    ints = lambda s: tuple(int(d) for d in s.split(",") if d.strip())  # noqa: E731
+    return ints(m.group(1)), ints(m.group(2))
+
+
+def stablehlo_dots(lowered: str) -> list[Dot]:
+    """The ``stablehlo.dot_general`` operations of a lowered program's text
+    (``jax.jit(f).lower(*args).as_text()``), in order."""
+    out = []
+    for line in lowered.splitlines():
+        m = _DOT.search(line)
+        if m is None:
+            continue
+        out.append(
+            Dot(
+                operands=tuple(_tensor(t) for t in _TENSOR.findall(m.group("types"))),
+                result=_tensor(_TENSOR.match(m.group("out")).group(1)),
+                batching=_dimension_numbers(m.group("args"), "batching_dims"),
+                contracting=_dimension_numbers(m.group("args"), "contracting_dims"),
+                attrs=m.group("args"),
+            )
+        )
+    return out
+
+
+def stablehlo_ops(lowered: str) -> list[str]:
+    """The ``stablehlo`` operations of a lowered program's text, in order:
+    ``["constant", "dot_general", "case", ...]``."""
+    return re.findall(r"(?<![#!])\bstablehlo\.(\w+)", lowered)  # not attributes
+
+
+def stablehlo_converts(lowered: str) -> collections.Counter:
+    """The ``stablehlo.convert`` operations of a lowered program's text, by
+    result element type (StableHLO's spelling: ``"bf16"``, ``"f32"``)."""
+    return collections.Counter(_CONVERT.findall(lowered))

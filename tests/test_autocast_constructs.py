@@ -6,8 +6,6 @@ loop carries and branch outputs consistent), and gradients (in the inputs' dtype
 against the float32 gradients, the backward matmuls in float16 too).
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 pytestmark = [pytest.mark.integration, pytest.mark.construct]
 
@@ -351,12 +350,10 @@ def test_gradients_match_the_hand_cast_function_and_run_in_float16():
     # (2 forward, 3 backward) has float16 operands and a float16 result.
     narrow = jxs.autocast(mlp, gradient_dtype=jnp.float16)
     hlo = jax.jit(jax.grad(narrow)).lower(PARAMS, X).as_text()
-    dots = re.findall(r"stablehlo.dot_general.*", hlo)
+    dots = _hlo.stablehlo_dots(hlo)
     assert len(dots) == 5
-    for line in dots:
-        assert re.search(
-            r"\(tensor<[\dx]+xf16>, tensor<[\dx]+xf16>\) -> tensor<[\dx]+xf16>", line
-        ), line
+    for dot in dots:
+        assert [t for t, _ in (*dot.operands, dot.result)] == ["f16"] * 3, dot
     # By default the two weight gradients come out of their products in
     # float32, for a GPU from float16 operands (the dot algorithm); the
     # activation's gradient stays float16.
@@ -366,12 +363,12 @@ def test_gradients_match_the_hand_cast_function_and_run_in_float16():
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    dots = re.findall(r"stablehlo.dot_general.*", hlo)
+    dots = _hlo.stablehlo_dots(hlo)
     assert len(dots) == 5
-    f16_f32 = [d for d in dots if "lhs_precision_type = f16" in d]
+    f16_f32 = [d for d in dots if "lhs_precision_type = f16" in d.attrs]
     assert len(f16_f32) == 2, dots
-    for line in f16_f32:
-        assert "accumulation_type = f32" in line and line.endswith("f32>"), line
+    for dot in f16_f32:
+        assert "accumulation_type = f32" in dot.attrs and dot.result[0] == "f32", dot
 
 
 def bias_stack(width=256, depth=4, batch=512):

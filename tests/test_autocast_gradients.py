@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -293,11 +294,11 @@ def test_a_gpu_runs_the_weight_gradient_on_16_bit_operands(dtype, name):
     p, (x, y) = params(), batch()
     grad = jax.jit(jax.grad(jxs.autocast(mlp_loss, dtype)))
     text = grad.trace(p, x, y).lower(lowering_platforms=("cuda",)).as_text()
-    dots = re.findall(r"stablehlo.dot_general.*", text)
-    wide = [d for d in dots if f"lhs_precision_type = {name}" in d]
+    dots = _hlo.stablehlo_dots(text)
+    wide = [d for d in dots if f"lhs_precision_type = {name}" in d.attrs]
     assert len(wide) == 2, dots  # dW1 and dW2
     for d in wide:
-        assert "accumulation_type = f32" in d and d.endswith("f32>"), d
+        assert "accumulation_type = f32" in d.attrs and d.result[0] == "f32", d
     cpu = grad.trace(p, x, y).lower(lowering_platforms=("cpu",)).as_text()
     assert "precision_type" not in cpu  # XLA:CPU has no dot algorithms
 
@@ -327,8 +328,8 @@ def test_a_matrix_vector_weight_gradient_carries_no_gpu_algorithm(
 
     grad = jax.jit(jax.grad(jxs.autocast(loss, jnp.float16)))
     text = grad.trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
-    dots = re.findall(r"stablehlo.dot_general.*", text)
-    assert sum("lhs_precision_type = f16" in d for d in dots) == algorithms, dots
+    dots = _hlo.stablehlo_dots(text)
+    assert sum("lhs_precision_type = f16" in d.attrs for d in dots) == algorithms, dots
     g = grad(w, x)
     assert g.dtype == F32
     np.testing.assert_allclose(g, jax.grad(loss)(w, x), rtol=2e-2, atol=2e-3)

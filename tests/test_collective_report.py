@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 N = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -571,9 +572,10 @@ def test_a_conv_nets_flat_combined_all_reduces_on_eight_h200s():
     # A flat all-reduce of a concatenation, split into arrays of other shapes
     # whose elements add up to the flat array's.
     flat = {c.instruction for c in report.collectives if c.parts > 1}
+    by_name = {i.name: i for i in _hlo.instructions(text)}
     assert flat, report
     for name in flat:
-        (size,) = re.findall(rf"%{re.escape(name)} = \w+\[(\d+)\]", text)
+        ((_, (size,)),) = _hlo.shapes(by_name[name].type)
         parts = [c for c in report.collectives if c.instruction == name]
         assert sum(math.prod(c.shape) for c in parts) == int(size)
     grads = report.select(carries="gradient")

@@ -11,7 +11,6 @@ operand. Counts of one XLA: `pinned` (the default environment's jax only).
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from helpers import relaxed
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 pytestmark = [pytest.mark.integration, pytest.mark.pinned]
 
@@ -30,15 +30,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.pinned]
 # figures (XLA:GPU's: benchmarks/step_account.py --target h100|h200).
 CPU = jax.devices("cpu")[0]
 
-_FUSION = re.compile(r"^\s*%?[\w.\-]+ = \S+ fusion\((.*?)\), kind=", re.M)
-
 
 def fusion_operands(n_leaves: int) -> list[int]:
     """The operand count of every fusion of the compiled step."""
     step, args = step_for(n_leaves)
     args = jax.device_put(args, CPU)
     text = jax.jit(step).lower(*args).compile().as_text()
-    return [len(m.group(1).split(",")) for m in _FUSION.finditer(text)]
+    return [len(i.operands) for i in _hlo.instructions(text) if i.opcode == "fusion"]
 
 
 def step_for(n_leaves: int):

@@ -4,7 +4,6 @@ analysis, per-layer norms, and zero cost when everything is off."""
 from __future__ import annotations
 
 import math
-import re
 import warnings
 
 import jax
@@ -17,6 +16,7 @@ from helpers import relaxed
 
 import jaxscale as jxs
 import jaxscale.testing as jxt
+from jaxscale import _hlo
 
 pytestmark = pytest.mark.core
 
@@ -394,21 +394,20 @@ def test_monitor_under_accumulate_fires_once_per_window():
 # Zero cost when off
 # --------------------------------------------------------------------------- #
 
-_OP = re.compile(r"^\s*(ROOT\s+)?%\S+\s*=\s*\S+\s+[\w\-]+\(", re.M)
-
 
 def hlo_op_count(text):
-    """HLO instructions (``%x = type op(...)`` lines) of a compiled module."""
-    return len(_OP.findall(text))
-
-
-_CALLBACK = re.compile(r"custom-call\(.*custom_call_target=\"[^\"]*callback", re.M)
+    """HLO instructions of a compiled module."""
+    return len(_hlo.instructions(text))
 
 
 def host_callbacks(text):
     """Custom calls into the host (``*_callback`` targets) of a compiled module:
     not every custom call, since XLA:GPU compiles a matmul to one (cuBLAS)."""
-    return len(_CALLBACK.findall(text))
+    return sum(
+        "callback" in _hlo.attribute(i.attrs, "custom_call_target")
+        for i in _hlo.instructions(text)
+        if i.opcode == "custom-call"
+    )
 
 
 def compiled_train_step(tx):

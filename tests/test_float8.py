@@ -9,7 +9,6 @@ Models written by others (Flax, Equinox) are in test_float8_models.py.
 from __future__ import annotations
 
 import contextlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from helpers import all_eqns, relaxed
 from jax import lax
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 # Each test has its tier; all run on the floor and ceiling legs too.
 pytestmark = pytest.mark.construct
@@ -526,17 +526,6 @@ def test_custom_derivatives_written_by_the_user_stay_16_bit():
     assert {operand_dtypes(e) for e in dots(f, x, w)} == {(BF16, BF16)}
 
 
-_DOT = re.compile(
-    r"stablehlo\.dot_general (?P<args>.*?) : \((?P<lhs>tensor<[^>]*>), "
-    r"(?P<rhs>tensor<[^>]*>)\) -> (?P<out>tensor<[^>]*>)"
-)
-
-
-def _tensor(t):
-    *dims, dtype = t[len("tensor<") : -1].split("x")
-    return tuple(map(int, dims)), dtype
-
-
 @pytest.mark.unit
 def test_a_gemm_report_without_float8_dots_is_not_ok_and_says_why():
     empty = jxs.float8.Float8GemmReport("cpu", 0, 0, None, ())
@@ -639,20 +628,21 @@ def test_lowered_stablehlo_has_three_float8_gemms_in_gemm_rewriter_form():
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
     gemms = {}
-    for m in _DOT.finditer(text):
-        assert "batching_dims" not in m["args"], m[0]
-        (lhs, lt), (rhs, rt), (out, ot) = map(_tensor, (m["lhs"], m["rhs"], m["out"]))
-        assert ot == "f32", m[0]  # float8 products accumulate in float32
-        contract = re.search(r"contracting_dims = \[(\d+)\] x \[(\d+)\]", m["args"])
-        assert contract, m[0]  # exactly one contracting dimension each
-        gemms[(lt, rt)] = (lhs, rhs, out, contract.groups())
+    for dot in _hlo.stablehlo_dots(text):
+        assert dot.batching is None, dot
+        (lt, lhs), (rt, rhs) = dot.operands
+        ot, out = dot.result
+        assert ot == "f32", dot  # float8 products accumulate in float32
+        (cl, cr) = dot.contracting
+        assert len(cl) == len(cr) == 1, dot  # exactly one contracting dimension each
+        gemms[(lt, rt)] = (lhs, rhs, out, (cl[0], cr[0]))
     assert gemms == {
         # forward: [M, K] x [K, N]
-        ("f8E4M3FN", "f8E4M3FN"): ((M, K), (K, N), (M, N), ("1", "0")),
+        ("f8E4M3FN", "f8E4M3FN"): ((M, K), (K, N), (M, N), (1, 0)),
         # dx: g [M, N] (e5m2) x w [K, N]^T
-        ("f8E5M2", "f8E4M3FN"): ((M, N), (K, N), (M, K), ("1", "1")),
+        ("f8E5M2", "f8E4M3FN"): ((M, N), (K, N), (M, K), (1, 1)),
         # dw: x [M, K]^T x g [M, N]
-        ("f8E4M3FN", "f8E5M2"): ((M, K), (M, N), (K, N), ("0", "0")),
+        ("f8E4M3FN", "f8E5M2"): ((M, K), (M, N), (K, N), (0, 0)),
     }
 
 

@@ -15,7 +15,6 @@ one scalar all-reduce.
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 import jaxscale.float8._numerics as numerics
+from jaxscale import _hlo
 
 pytestmark = [pytest.mark.core, pytest.mark.usefixtures("on_cpu")]
 
@@ -82,22 +82,16 @@ def reference():
 # Compiled HLO: scalar all-reduces, all-gathers and their bytes.
 # --------------------------------------------------------------------------- #
 
-_COLLECTIVE = re.compile(r"=\s*(.*?)\s+(all-reduce|all-gather)(?:-start)?\(")
-_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
-
 
 def collectives(hlo: str) -> list[tuple[str, list[tuple[str, int]]]]:
     """``(kind, [(element type, element count), ...])`` of each all-reduce and
     all-gather in ``hlo`` (a combined one lists several)."""
     out = []
-    for line in hlo.splitlines():
-        match = _COLLECTIVE.search(line)
-        if match:
-            shapes = [
-                (t, math.prod(int(d) for d in dims.split(",") if d))
-                for t, dims in _SHAPE.findall(match.group(1))
-            ]
-            out.append((match.group(2), shapes))
+    for i in _hlo.instructions(hlo):
+        kind = i.opcode.removesuffix("-start")
+        if kind in ("all-reduce", "all-gather"):
+            shapes = [(t, math.prod(dims)) for t, dims in _hlo.shapes(i.type)]
+            out.append((kind, shapes))
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxscale as jxs
+from jaxscale import _hlo
 from jaxscale.diagnostics._underflow import cast_masks, cast_thresholds
 
 pytestmark = pytest.mark.core
@@ -33,9 +34,8 @@ def _cuda_text(fn, *args):
 def _narrow_converts(text):
     """The ``stablehlo.convert`` ops of a lowered module whose result is a
     16-bit or 8-bit float (an emulation by cast would have one)."""
-    return re.findall(
-        r"stablehlo\.convert[^\n]*->\s*tensor<[^>]*x?(?:f16|bf16|f8E\w+)>", text
-    )
+    converts = _hlo.stablehlo_converts(text).elements()
+    return [t for t in converts if t in ("f16", "bf16") or t.startswith("f8E")]
 
 
 @pytest.mark.parametrize("dt", LOW, ids=lambda d: jnp.dtype(d).name)
@@ -139,10 +139,10 @@ def test_small_float8_products_widen_their_operands_to_float32():
         state = jxs.float8.init(f, w, x)
         step = jxs.float8.value_and_grad(f, state)
         text = _cuda_text(step, w, x)
-        dots = re.findall(r"stablehlo\.dot_general[^\n]*", text)
+        dots = _hlo.stablehlo_dots(text)
         # The forward and the weight's gradient (the input's is unused).
         assert len(dots) == 2, dots
-        f8_operands = [re.search(r"\(tensor<[^>]*f8E", d) is not None for d in dots]
+        f8_operands = [d.operands[0][0].startswith("f8E") for d in dots]
         assert f8_operands == [form == "float8"] * 2, dots
         loss, grads, _ = jax.jit(step)(w, x)
         assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grads)).all()

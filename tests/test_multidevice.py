@@ -25,6 +25,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+from jaxscale import _hlo
+from jaxscale._hlo_collectives import COLLECTIVE_KINDS
 
 pytestmark = pytest.mark.core
 
@@ -75,12 +77,6 @@ def mesh_of(axis_type, shape=(N,), names=("data",)):
 # Compiled HLO: which collectives, of what size.
 # --------------------------------------------------------------------------- #
 
-_COLLECTIVE = re.compile(
-    r"=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\("
-)
-_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
-
 
 def collectives(hlo: str) -> list[tuple[str, bool, list[int]]]:
     """``(kind, on_entry, element counts)`` of every collective in ``hlo``.
@@ -88,17 +84,12 @@ def collectives(hlo: str) -> list[tuple[str, bool, list[int]]]:
     ``on_entry`` is true for those in the ENTRY computation, which runs on every
     step (the bodies of conditionals run only when their branch is taken).
     """
-    out, entry = [], False
-    for line in hlo.splitlines():
-        if line and not line[0].isspace():
-            entry = line.startswith("ENTRY")
-        match = _COLLECTIVE.search(line)
-        if match:
-            sizes = [
-                math.prod(int(d) for d in dims.split(",") if d)
-                for dims in _SHAPE.findall(match.group(1))
-            ]
-            out.append((match.group(2), entry, sizes))
+    out, entry = [], _hlo.computations(hlo)[1]
+    for i in _hlo.instructions(hlo):
+        kind = i.opcode.removesuffix("-start")
+        if kind in COLLECTIVE_KINDS:
+            sizes = [math.prod(dims) for _, dims in _hlo.shapes(i.type)]
+            out.append((kind, i.computation == entry, sizes))
     return out
 
 

@@ -11,8 +11,6 @@ is lowered for ``lowering_platforms=("cuda",)``, which needs no GPU.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,17 +19,17 @@ import pytest
 from helpers import relaxed
 
 import jaxscale as jxs
+from jaxscale import _hlo
 from jaxscale.testing import assert_bit_identical
 
 pytestmark = pytest.mark.core
-
-BRANCHES = re.compile(r"stablehlo\.(case|if|while)\b")
 
 
 def cuda_branches(fun, *args, platform: str = "cuda") -> list[str]:
     """The branching ops of ``fun``'s module lowered for ``platform``."""
     traced = jax.jit(fun).trace(*args)
-    return BRANCHES.findall(traced.lower(lowering_platforms=(platform,)).as_text())
+    ops = _hlo.stablehlo_ops(traced.lower(lowering_platforms=(platform,)).as_text())
+    return [op for op in ops if op in ("case", "if", "while")]
 
 
 def init_params():

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 N = 8
 F16, BF16, E4M3, E5M2 = jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -305,21 +306,17 @@ def test_the_step_sends_float16_through_an_all_to_all():
     assert not reduced_f32, found
 
 
-COLLECTIVE = re.compile(
-    r"= (\(.*?\)|\S+) (all-to-all|all-reduce|all-gather)(?:-start)?\("
-)
-
-
 def collectives(hlo):
     """``(kind, dtype, elements)`` for each collective of an optimized HLO text
     (a tuple-shaped one counts each of its dtypes)."""
     out = []
-    for result, kind in COLLECTIVE.findall(hlo):
-        sizes = {}
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
-            count = int(np.prod([int(d) for d in dims.split(",") if d]))
-            sizes[dtype] = sizes.get(dtype, 0) + count
-        out += [(kind, dtype, count) for dtype, count in sizes.items()]
+    for i in _hlo.instructions(hlo):
+        kind = i.opcode.removesuffix("-start")
+        if kind in ("all-to-all", "all-reduce", "all-gather"):
+            sizes = {}
+            for dtype, dims in _hlo.shapes(i.type):
+                sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(dims))
+            out += [(kind, dtype, count) for dtype, count in sizes.items()]
     return out
 
 

@@ -16,7 +16,6 @@ float8 operands, which XLA:GPU picks for small products (for an H200 with jax
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,19 +25,12 @@ from jaxscale import _hlo as hlo
 
 __all__ = ["Float8GemmReport", "float8_gemms", "gemm_report", "summarize"]
 
-_DOT = re.compile(
-    r"stablehlo\.dot_general\s+(?P<args>.*?):\s*\((?P<types>.*?)\)\s*->\s*(?P<out>tensor<[^>]*>)"
-)
-_TENSOR = re.compile(r"tensor<(?P<body>[^>]*)>")
-_DIMS = re.compile(
-    r"(?P<kind>batching_dims|contracting_dims)\s*=\s*\[(?P<l>[^\]]*)\]\s*x\s*\[(?P<r>[^\]]*)\]"
-)
 _F8 = ("f8E4M3FN", "f8E5M2")
 _OUT_OK = ("bf16", "f16", "f32")
-_CUBLAS_F8 = '"__cublas$lt$matmul$f8"'
+_CUBLAS_F8 = "__cublas$lt$matmul$f8"
 # A Triton GEMM fusion's kind: "__triton_gemm", or "__triton_nested_gemm_fusion"
 # (jax 0.10's XLA, before autotuning picks a configuration).
-_TRITON_GEMM = re.compile(r'"kind":"__triton(_nested)?_gemm')
+_TRITON_GEMM = ("__triton_gemm", "__triton_nested_gemm")
 _NONE = (
     "  - no float8 matmul at all: the function runs nothing in float8. A "
     "`dot_general` is a float8 site only if it has no batch dimensions and the "
@@ -108,73 +100,56 @@ class Float8GemmReport(NamedTuple):
         return "\n".join(lines)
 
 
-def _shape_dtype(t: str) -> tuple[list[str], str]:
-    parts = _TENSOR.match(t.strip()).group("body").split("x")
-    return parts[:-1], parts[-1]
-
-
-def _check(line: str) -> tuple[bool, str | None]:
-    """Is the dot a float8 dot, and if so what is wrong with it (None: fine)."""
-    m = _DOT.search(line)
-    if m is None:
-        return False, None
-    types = _TENSOR.findall(m.group("types"))
-    if len(types) != 2:
-        return False, None
-    (ls, ld), (rs, rd) = (_shape_dtype(f"tensor<{t}>") for t in types)
-    if ld not in _F8 and rd not in _F8:
-        return False, None
-    _, od = _shape_dtype(m.group("out"))
-    dims = {d.group("kind"): d for d in _DIMS.finditer(m.group("args"))}
+def _problem(dot: hlo.Dot) -> str | None:
+    """What keeps a float8 dot from XLA:GPU's float8 GEMM (None: nothing)."""
+    (ld, ls), (rd, rs) = dot.operands
+    od = dot.result[0]
     why = []
     if ld not in _F8 or rd not in _F8:
         why.append(f"one operand is not float8 ({ld} x {rd})")
     if ld == rd == "f8E5M2":
         why.append("both operands are float8_e5m2")
-    if "batching_dims" in dims:
+    if dot.batching is not None:
         why.append("it has batch dimensions")
     if len(ls) != 2 or len(rs) != 2:
         why.append(f"operands of rank {len(ls)} and {len(rs)}, not matrices")
-    c = dims.get("contracting_dims")
-    if (
-        c is None
-        or len(c.group("l").split(",")) != 1
-        or len(c.group("r").split(",")) != 1
-    ):
+    c = dot.contracting
+    if c is None or len(c[0]) != 1 or len(c[1]) != 1:
         why.append("not exactly one contracting dimension per operand")
     if od not in _OUT_OK:
         why.append(f"output {od}")
-    if why:
-        shape = f"{'x'.join(ls)}x{ld} . {'x'.join(rs)}x{rd} -> {od}"
-        return True, f"{shape}: " + "; ".join(why)
-    return True, None
+    if not why:
+        return None
+    dims = lambda s: "x".join(str(d) if d >= 0 else "?" for d in s)  # noqa: E731
+    return f"{dims(ls)}x{ld} . {dims(rs)}x{rd} -> {od}: " + "; ".join(why)
 
 
 def float8_gemms(compiled: str) -> int:
     """The float8 GEMMs of an XLA:GPU-compiled module's text: cuBLASLt float8
     calls, and Triton GEMM fusions whose ``dot`` takes two float8 operands
     (parameters of the fusion or converts inside it)."""
-    comps, _ = hlo.computations(compiled)
-    count = compiled.count(_CUBLAS_F8)
-    for lines in comps.values():
-        for line in lines:
-            if "kind=kCustom" not in line or not _TRITON_GEMM.search(line):
-                continue
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            if called and _dot_of_float8(comps.get(called.group(1), [])):
-                count += 1
+    found = hlo.instructions(compiled)
+    count = 0
+    for i in found:
+        if i.opcode == "custom-call":
+            count += hlo.attribute(i.attrs, "custom_call_target") == _CUBLAS_F8
+        elif (
+            i.opcode == "fusion"
+            and hlo.attribute(i.attrs, "kind") == "kCustom"
+            and hlo.backend_kind(i.attrs).startswith(_TRITON_GEMM)
+        ):
+            called = hlo.attribute(i.attrs, "calls")
+            count += _dot_of_float8([j for j in found if j.computation == called])
     return count
 
 
-def _dot_of_float8(lines: list[str]) -> bool:
+def _dot_of_float8(fused: list[hlo.Instruction]) -> bool:
     """Whether a fused computation's ``dot`` multiplies two float8 values."""
     types = {}
-    for line in lines:
-        name, _, rhs = line.partition(" = ")
-        types[name.lstrip("%")], rest = hlo.split_type(rhs)
-        opcode, names, _ = hlo.operands(rest)
-        if opcode == "dot" and len(names) == 2:
-            return all(types.get(n, "").startswith("f8") for n in names)
+    for i in fused:
+        types[i.name] = i.type
+        if i.opcode == "dot" and len(i.operands) == 2:
+            return all(types.get(n, "").startswith("f8") for n in i.operands)
     return False
 
 
@@ -220,9 +195,11 @@ def summarize(lowered: str, compiled: str | None, platform: str) -> Float8GemmRe
     """The report from the text of a lowered program and (on a GPU) of its
     compiled form."""
     found, problems = 0, []
-    for line in lowered.splitlines():
-        is_f8, why = _check(line)
-        found += is_f8
+    for dot in hlo.stablehlo_dots(lowered):
+        if len(dot.operands) != 2 or not any(t in _F8 for t, _ in dot.operands):
+            continue
+        found += 1
+        why = _problem(dot)
         if why is not None:
             problems.append(why)
     gemms = None if compiled is None else float8_gemms(compiled)
