@@ -16,11 +16,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import all_eqns
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
 from jaxscale import _hlo
+import jaxscale.precision as jxp
 
 with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -101,6 +103,41 @@ def test_data_parallel_gradients_are_reduced_in_the_chosen_dtype(gradient_dtype,
     assert gradient_collectives(text, D * H // 2) == {("all-reduce", wire)}
     # The bias's gradient too (summed over the batch, then across devices).
     assert gradient_collectives(text, H) == {("all-reduce", wire)}
+    g_ref = jax.grad(mlp_loss)(p, x, y)
+    for k in p:
+        assert g[k].dtype == F32
+        np.testing.assert_allclose(g[k], g_ref[k], rtol=2e-2, atol=2e-3)
+
+
+def planned(fmt):
+    """A plan that runs both matmul sites of ``mlp_loss`` in ``fmt``."""
+    sites = [("(top level)", (B, D, H)), ("(top level)#1", (B, H, C))]
+    measures = [jxp.SiteMeasure(s, mkn, (2, 4), {fmt: 0.0}) for s, mkn in sites]
+    return jxp.solve(measures, cost="H100", budget=1.0, allowed={fmt})
+
+
+@pytest.mark.parametrize(("gradient_dtype", "wire"), [(None, "f32"), ("f16", "f16")])
+def test_a_half_wide_sites_gradient_is_reduced_in_the_chosen_dtype(
+    gradient_dtype, wire
+):
+    """A plan's ``HALF_WIDE`` site (16-bit operands, float32 result) is
+    autocast's one widened product: its weight gradient crosses the devices
+    as ``gradient_dtype`` says, as a ``HALF`` site's does."""
+    p, (x, y) = params(), batch()
+    loss = jxs.autocast(
+        mlp_loss,
+        jnp.float16,
+        plan=planned(jxp.Format.HALF_WIDE),
+        gradient_dtype=gradient_dtype,
+    )
+    products = [
+        (*(v.aval.dtype for v in e.invars), e.outvars[0].aval.dtype)
+        for e in all_eqns(jax.make_jaxpr(loss)(p, x, y))
+        if e.primitive.name == "dot_general"
+    ]
+    assert products == [(F16, F16, F32)] * 2  # 16-bit operands, float32 results
+    g, text = data_parallel_grad(loss, p, x, y)
+    assert gradient_collectives(text, H * C) == {("all-reduce", wire)}
     g_ref = jax.grad(mlp_loss)(p, x, y)
     for k in p:
         assert g[k].dtype == F32

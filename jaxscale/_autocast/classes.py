@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jcore
 
 from jaxscale._autocast.gradients import (
     WIDE_ELEMENTWISE,
     WIDE_PRODUCTS,
     wide_elementwise,
-    wide_gradient_product,
+    wide_product,
 )
 from jaxscale._autocast.rules import AutocastRule
 from jaxscale._autocast.values import (
@@ -166,7 +165,9 @@ class Lower(RuleClass):
     keeps 16-bit scores, as a hand-cast one does (:func:`wide_product`; the
     interpreter rounds the scale's output). bfloat16 has float32's range: its
     products are never widened. ``"wide"`` (:class:`Wide`) keeps the whole
-    product in float32 instead."""
+    product in float32 instead. Either way the product's float32 inputs
+    (parameters) get their gradients as ``gradient_dtype`` says, widened or
+    not (:func:`wide_product`, which does both)."""
 
     __slots__ = ()
 
@@ -197,12 +198,12 @@ class Lower(RuleClass):
         return params
 
     def emit(self, it, eqn, params, vals):
-        if self.wide_result(it, eqn, params, vals):
+        wide = self.wide_result(it, eqn, params, vals)
+        if wide:
             self.note_wide(it, eqn)
-            return [wide_product(eqn.primitive, params, vals[0], vals[1])]
         sources = [it.wide_gradient_source(v) for v in vals]
-        if any(s is not None for s in sources):
-            return [wide_gradient_product(eqn.primitive, params, vals, sources)]
+        if wide or any(s is not None for s in sources):
+            return [wide_product(eqn.primitive, params, *vals, sources=sources)]
         return bind(eqn.primitive, params, vals)
 
     def note_wide(self, it: Interpreter, eqn: Any) -> None:
@@ -222,7 +223,8 @@ class Wide(Lower):
     """``"wide"``: ``"lower"``, except that a ``dot_general`` whose result the
     function widens to float32 anyway (attention scores into a softmax)
     accumulates and comes out in float32, in float16 and bfloat16 alike, its
-    backward in the autocast dtype: scores finite up to float32's range, at
+    backward in the autocast dtype (a float32 input's gradient as
+    ``gradient_dtype`` says): scores finite up to float32's range, at
     twice the 16-bit scores' memory and bytes on a GPU (docs/autocast.md)."""
 
     __slots__ = ()
@@ -266,31 +268,6 @@ def _widens(it: Interpreter, eqn: Any, params: Mapping[str, Any], vals: list) ->
         and preferred_element_type(params) is not None
         and it.widens(eqn)
     )
-
-
-def wide_product(primitive: Any, params: Mapping[str, Any], x: Any, w: Any) -> Any:
-    """``dot_general(x, w)`` accumulated and returned in float32 (``params``
-    say so); its derivative is the product in ``x``'s dtype, widened, so the
-    backward's products take and give the autocast dtype, as for any matmul
-    whose float32 result comes from a cast."""
-    low = with_preferred_element_type(params, dtype_of(x))
-
-    @jax.custom_jvp
-    def product(x: Any, w: Any) -> Any:
-        return bind(primitive, params, [x, w])[0]
-
-    def jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
-        (x, w), (dx, dw) = primals, tangents
-        terms = []
-        if not isinstance(dx, SymbolicZero):
-            terms.append(bind(primitive, low, [dx, w])[0])
-        if not isinstance(dw, SymbolicZero):
-            terms.append(bind(primitive, low, [x, dw])[0])
-        t = terms[0] if len(terms) == 1 else terms[0] + terms[1]
-        return product(x, w), t.astype(_F32)
-
-    product.defjvp(jvp, symbolic_zeros=True)
-    return product(x, w)
 
 
 class Float32(RuleClass):

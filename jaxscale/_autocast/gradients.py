@@ -5,8 +5,9 @@ weight gradient across devices on the partial sums of its product, before any
 cast that follows. In ``jax.grad(jxs.autocast(loss))`` that product is the
 transpose of a 16-bit matmul, so the gradient of a float32 parameter would be
 all-reduced (data parallel) or reduce-scattered (FSDP) in 16 bits and only then
-widened. :func:`wide_gradient_product` binds the forward product as before (16-bit
-operands, 16-bit output) with a derivative whose weight term takes the float32
+widened. :func:`wide_product`, autocast's one widened product, binds the forward
+product as before (16-bit operands; a 16-bit result, or a float32 one where
+autocast widens it) with a derivative whose weight term takes the float32
 tangent, so its transpose, the weight-gradient product, multiplies the 16-bit
 cotangent by the 16-bit activation and accumulates and returns float32: the
 reduction the partitioner inserts is float32, as torch DDP's of an fp32
@@ -47,7 +48,7 @@ __all__ = [
     "WIDE_PRODUCTS",
     "gradient_policy",
     "wide_elementwise",
-    "wide_gradient_product",
+    "wide_product",
 ]
 
 _F32 = np.dtype("float32")
@@ -67,19 +68,40 @@ DOT_ALGORITHMS = MappingProxyType(
 WIDE_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def wide_gradient_product(
+def wide_product(
     primitive: Any,
     params: Mapping[str, Any],
-    vals: Sequence[Any],
-    sources: Sequence[Any | None],
+    *vals: Any,
+    sources: Sequence[Any | None] | None = None,
 ) -> Any:
-    """``bind(primitive, params, vals)`` (a ``dot_general``), differentiated so
-    that the cotangent of each float32 ``sources[i]`` (``vals[i]`` is its 16-bit
-    cast; ``None`` where it is not one) comes out of its product in float32.
-    ``primitive`` is a ``dot_general`` or a ``conv_general_dilated``."""
+    """``bind(primitive, params, vals)``: the one widened product of autocast.
+
+    ``primitive`` is a ``dot_general`` or a ``conv_general_dilated`` (or any
+    product bound on 16-bit ``vals``); two things may be widened, each at its
+    caller's choice:
+
+    - the result: if ``params`` ask for a float32 result from 16-bit operands
+      (the widening rule's product, a scale taken in float32 before the
+      rounding, a plan's ``HALF_WIDE`` site), the product accumulates and
+      returns float32, and its derivative is the 16-bit product's, widened:
+      the backward rounds the result's cotangent to the operands' dtype once
+      and runs in it, as for a matmul whose float32 result comes from a cast;
+    - a weight gradient: the cotangent of each float32 ``sources[i]``
+      (``vals[i]`` is its 16-bit cast; ``None`` where it is not one: the
+      inputs whose ``gradient_dtype`` is float32) comes out of its product in
+      float32 (:func:`_wide_term`), so the reduction across devices that the
+      partitioner inserts on it is float32.
+
+    The two compose: a widened result's weight gradient follows
+    ``gradient_dtype`` as any other product's."""
     low = [dtype_of(v) for v in vals]
+    sources = [None] * len(vals) if sources is None else list(sources)
     primals = [v if s is None else s for v, s in zip(vals, sources, strict=True)]
-    out_dtype = preferred_element_type(params) or low[0]
+    out_dtype = np.dtype(preferred_element_type(params) or low[0])
+    # A widened result: the derivative is the product in the operands' dtype.
+    widened = out_dtype == _F32 and low[0] != _F32
+    t_params = with_preferred_element_type(params, low[0]) if widened else params
+    t_dtype = low[0] if widened else out_dtype
 
     def narrowed(ops: Sequence[Any]) -> list[Any]:
         return [cast(o, d) for o, d in zip(ops, low, strict=True)]
@@ -96,14 +118,14 @@ def wide_gradient_product(
                 continue
             args = [*narrow[:i], t, *narrow[i + 1 :]]
             if sources[i] is None:
-                term = bind(primitive, params, args)[0]
+                term = bind(primitive, t_params, args)[0]
             else:
-                term = _wide_term(primitive, params, args, low[i])
-            terms.append(cast(term, out_dtype))
+                term = _wide_term(primitive, t_params, args, low[i])
+            terms.append(cast(term, t_dtype))
         total = terms[0]
         for t in terms[1:]:
             total = total + t
-        return product(*ops), total
+        return product(*ops), cast(total, out_dtype)
 
     product.defjvp(jvp, symbolic_zeros=True)
     return product(*primals)

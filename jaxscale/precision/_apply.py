@@ -264,7 +264,8 @@ class SiteRule(PluginRule):
             return bind(eqn.primitive, params, vals)
         if fmt is Format.HALF_WIDE:
             if all(dtype_of(v) == it.dtype for v in vals):
-                return [wide_product(eqn.primitive, params, vals[0], vals[1])]
+                sources = [it.wide_gradient_source(v) for v in vals]
+                return [wide_product(eqn.primitive, params, *vals, sources=sources)]
             return bind(eqn.primitive, params, vals)  # a constant kept it float32
         dims = dot_dimension_numbers(params)
         recipe = FLOAT8_RECIPES[fmt]
