@@ -438,12 +438,27 @@ def gemm_form(m: int, k: int, n: int) -> str:
     return "float32" if (m + n) * k < SMALL_DOT else "float8"
 
 
-def _gemm(a: jax.Array, b: jax.Array, contract: tuple, scale: jax.Array, dtype):
+def _explicit_sharding(like: jax.Array) -> Any:
+    """``like``'s sharding where its mesh has an explicit axis (sharding in
+    types: ``jax.make_mesh``'s default from jax 0.10), else ``None``."""
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if jax.sharding.AxisType.Explicit in types else None
+
+
+def _gemm(a, b, contract: tuple, scale: jax.Array, dtype, like: Any = None):
+    """``a`` times ``b`` over ``contract`` in float32, times ``scale``, in
+    ``dtype``; sharded as ``like`` (a gradient as its primal) where the mesh
+    is explicit: a weight gradient contracts the batch, sharded on both sides,
+    which JAX refuses to resolve on its own."""
     (ca,), (cb,) = contract
     k = a.shape[ca]
     if gemm_form(a.size // k, k, b.size // k) == "float32":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    y = lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+    out = None if like is None else _explicit_sharding(like)
+    y = lax.dot_general(
+        a, b, (contract, ((), ())), preferred_element_type=jnp.float32, out_sharding=out
+    )
     return (y * scale).astype(dtype)
 
 
@@ -529,8 +544,8 @@ def _bwd(key, res, g):
     qx, qw = (lax.bitcast_convert_type(r, recipe.fwd_dtype) for r in (rx, rw))
     (sg,), (ag,) = _scales(recipe, state, [g], [2], [1])
     qg = saturate(g, sg, recipe.bwd_dtype)
-    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype)  # g w^T
-    dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype)  # x^T g
+    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw, x_dtype, like=rx)  # g w^T
+    dw = _gemm(qx, qg, ((0,), (0,)), sx * sg, w_dtype, like=rw)  # x^T g
     return dx, dw, recipe.record(state, (ax, aw, ag))
 
 
@@ -545,10 +560,10 @@ def _bwd_axiswise(key, res, g):
         qw = saturate(w, sw, recipe.fwd_dtype)
     (sg,), _ = _scales(recipe, state, [g], [2], [1])
     qg = saturate(g, sg, recipe.bwd_dtype)
-    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw.T, x_dtype)  # [M,1] * [1,K]
+    dx = _gemm(qg, qw, ((1,), (1,)), sg * sw.T, x_dtype, like=x)  # [M,1] * [1,K]
     (sx, sg), _ = _scales(recipe, state, [x, g], [0, 2], [0, 0])
     qx, qg = saturate(x, sx, recipe.fwd_dtype), saturate(g, sg, recipe.bwd_dtype)
-    dw = _gemm(qx, qg, ((0,), (0,)), sx.T * sg, w_dtype)  # [K,1] * [1,N]
+    dw = _gemm(qx, qg, ((0,), (0,)), sx.T * sg, w_dtype, like=w)  # [K,1] * [1,N]
     return dx, dw, recipe.record(state, ())
 
 
