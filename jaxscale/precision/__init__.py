@@ -22,8 +22,8 @@ Examples:
 
 from jaxscale._speed import DeviceCost as DeviceCost
 from jaxscale._speed import Format as Format
-from jaxscale.precision._calibrate import Sensor as Sensor
-from jaxscale.precision._calibrate import plan_precision as plan_precision
+from jaxscale.precision._sensor import Sensor as Sensor
+from jaxscale.precision._sensor import plan_precision as plan_precision
 from jaxscale.precision._measure import SiteMeasure as SiteMeasure
 from jaxscale.precision._monitor import Monitor as Monitor
 from jaxscale.precision._monitor import MonitorState as MonitorState

@@ -33,7 +33,7 @@ from jaxscale.float8._numerics import E4M3
 from jaxscale.precision._apply import PlanRule, ProbeContext, SiteContext
 from jaxscale.precision._measure import PRECISION
 from jaxscale.precision._plan import Plan
-from jaxscale.precision._sensor import SESSION, Session
+from jaxscale.precision._tap import SESSION, Session
 
 __all__ = ["FIELDS", "Monitor", "MonitorState"]
 
