@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast.entry import autocast, check_dtype
 from jaxscale._speed import DeviceCost, Format, current_device
+from jaxscale.internal import autocast, check_dtype
 from jaxscale.precision._measure import PRECISION, SiteMeasure, number
 from jaxscale.precision._plan import Plan
+from jaxscale.precision._solve import solve
 from jaxscale.precision._tap import (
     FIELDS,
     REFERENCE,
@@ -25,7 +26,6 @@ from jaxscale.precision._tap import (
     SensorRule,
     Session,
 )
-from jaxscale.precision._solve import solve
 
 __all__ = ["Sensor", "plan_precision"]
 

@@ -35,21 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._autocast.classes import scaled_in_float32, wide_product
-from jaxscale._autocast.values import dtype_of
 from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._scope import Scope
 from jaxscale._speed import Format
-from jaxscale.float8._site import float8_dot
-from jaxscale.precision._apply import (
-    FLOAT8_RECIPES,
-    ProbeContext,
-    SiteContext,
-    SiteRule,
-    site_sizes,
-)
+from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
+from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION
+from jaxscale.precision._sites import ProbeContext, SiteContext
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "WIDTH"]
 
@@ -233,27 +226,9 @@ class SensorRule(SiteRule):
         session = SESSION.current()
         return ProbeContext(session if session is not None else Session())
 
-    def format_of(self, ctx, name, mkn, infos):
-        return Format.HALF  # not reached: decide_sensed takes every site
-
-    def cast_operands(self, it, eqn, vals, infos, traced):
-        if self.decide_sensed(it, eqn, vals, infos):
-            return vals, None
-        return super().cast_operands(it, eqn, vals, infos, traced)
-
-    def decide_sensed(self, it, eqn, vals, infos) -> bool:
-        ctx = it.extension
-        if not isinstance(ctx, ProbeContext) or ctx.paused:
-            return False
-        if site_sizes(eqn, vals) is None:
-            return False
-        name = ctx.register(str(eqn.source_info.name_stack))
-        self.record(ctx, name, eqn, vals, infos)
-        ctx.choice = (eqn, name, Format.FLOAT32)
-        return True
-
-    def record(self, ctx, name, eqn, vals, infos) -> None:
-        mkn = site_sizes(eqn, vals)
+    def format_of(self, ctx, name, mkn, eqn, vals, infos):
+        """Records the site (its size and operand bytes as met); the sensor runs
+        it as the float32 reference."""
         nbytes = tuple(
             dtype_of(v).itemsize if i.param else 2
             for v, i in zip(vals, infos, strict=True)
@@ -262,6 +237,12 @@ class SensorRule(SiteRule):
         ctx.session.sites.setdefault(name, (mkn, nbytes, runs))
         if name not in ctx.session.order:
             ctx.session.order.append(name)
+        return Format.FLOAT32
+
+    def cast_operands(self, it, eqn, vals, infos, traced):
+        if self.decide(it, eqn, vals, infos) is not None:
+            return vals, None  # operands as they come: the tap reads them in float32
+        return super().cast_operands(it, eqn, vals, infos, traced)
 
     def adjust_params(self, it, eqn, vals, traced):
         if self.chosen(it, eqn) is not None:
