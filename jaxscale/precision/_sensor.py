@@ -188,6 +188,12 @@ class Sensor:
         self.batches += 1
         return self
 
+    def _forget(self) -> Sensor:
+        """Drops the batches measured so far (the sites and the compiled pass
+        stay); returns the sensor."""
+        self._sums, self.batches = None, 0
+        return self
+
     def stats(self) -> dict[str, dict[Any, dict[str, float]]]:
         """The raw sums per site, per format (and ``"reference"``), per field,
         averaged over the batches: ``linear`` is the first-order change of
@@ -343,6 +349,7 @@ def plan_precision(
     sensor = Sensor(fun, dtype, loss_scale=loss_scale, rules=rules, formats=allowed)
 
     def planner(*args: Any, **kwargs: Any) -> Plan:
+        sensor._forget()  # one batch per plan (the compiled step is kept)
         return sensor.update(*args, **kwargs).plan(
             budget=budget, allowed=allowed, cost=cost
         )
