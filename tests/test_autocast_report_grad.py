@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import jaxscale.precision as jxp
 from jaxscale._autocast.entry import autocast
 from jaxscale.diagnostics import autocast_report
 
@@ -181,3 +182,51 @@ def test_a_platform_dependent_computation_counts_once():
     report = autocast_report(f)(W, X)
     assert dots(report) == {"float16": 1}
     assert "tanh" in report.by_primitive and "sin" not in report.by_primitive
+
+
+# --------------------------------------------------------------------------- #
+# What a planned or narrow step runs: ``plan=`` and ``gradient_dtype=``
+# --------------------------------------------------------------------------- #
+
+F = jxp.Format
+SITES = ("(top level)", "(top level)#1")
+
+
+def two_layers(w, x):
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w.T))
+
+
+def _plan(first):
+    """A plan for ``two_layers``: its first site in ``first``, the other in 16 bits."""
+    shape = (4096, 4096, 4096)  # large: 16 bits is the faster format
+    measures = [
+        jxp.SiteMeasure(
+            s, shape, (4, 4), {F.FLOAT32: 0.0, F.HALF_WIDE: 0.4, F.HALF: 0.5}
+        )
+        for s in SITES
+    ]
+    plan = jxp.solve(measures, cost="H100", budget=1.0)
+    assert list(plan.formats().values()) == [F.HALF, F.HALF]
+    return plan.replace(SITES[0], first)
+
+
+def test_the_report_runs_a_plan_as_autocast_does():
+    plan = _plan(F.FLOAT32)
+    report = autocast_report(two_layers, plan=plan)(W, X)
+    assert dots(report) == {"float16": 1, "float32": 1}
+    grad = jax.grad(autocast(two_layers, plan=plan))
+    assert dots(autocast_report(grad)(W, X)) == {"float16": 3, "float32": 2}
+    wide = autocast_report(two_layers, jnp.bfloat16, plan=_plan(F.HALF_WIDE))(W, X)
+    assert dots(wide) == {"bfloat16": 2}  # the widened product is 16-bit too
+    with pytest.raises(ValueError, match="`plan` and `float8`"):
+        autocast_report(two_layers, plan=plan, float8=True)
+    with pytest.raises(TypeError, match="`plan` must be"):
+        autocast_report(two_layers, plan={"(top level)": F.HALF})
+
+
+def test_the_report_takes_gradient_dtype_as_autocast_does():
+    for gd in (None, jnp.float32, jnp.float16, lambda path: None):
+        report = autocast_report(two_layers, gradient_dtype=gd)(W, X)
+        assert dots(report) == {"float16": 2}
+    with pytest.raises(ValueError, match="`gradient_dtype` must be"):
+        autocast_report(two_layers, gradient_dtype=jnp.bfloat16)

@@ -148,6 +148,21 @@ def test_batches_are_averaged():
     assert both.stats()[TOP][F.FLOAT8]["fisher"] == pytest.approx(mean, rel=1e-6)
 
 
+def test_plan_precision_plans_each_call_from_its_own_batch():
+    """``plan_precision(...)`` returns a planner that measures one calibration
+    batch per call, as its docstring says: a second call's plan is the plan of
+    that batch alone, not of the two batches averaged (review finding 5)."""
+    p = mlp_params()
+    x0, x1 = normal(10, (8, 16)), normal(11, (8, 16), scale=30.0)
+    planner = jxp.plan_precision(mlp, jnp.bfloat16, cost="H100")
+    planner(p, x0)
+    again = planner(p, x1)
+    alone = jxp.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, x1)
+    assert again == alone
+    averaged = jxp.Sensor(mlp, jnp.bfloat16).update(p, x0).update(p, x1)
+    assert again.measures != averaged.plan(cost="H100").measures
+
+
 def test_a_scanned_site_is_one_site_summed_over_its_iterations(on_cpu):
     # The bookkeeping, on a CPU device: XLA:CPU rounds the scanned and the
     # unrolled programs' products alike. XLA:GPU does not: on an H200 their

@@ -29,7 +29,7 @@ from jaxscale._autocast.classes import (
 from jaxscale._autocast.gradients import gradient_policy
 from jaxscale._autocast.hop import HANDLERS
 from jaxscale._autocast.interp import REGION_PREFIX, Interpreter
-from jaxscale._autocast.rules import AutocastRule, resolve_rules
+from jaxscale._autocast.rules import AutocastRule, Slot, resolve_rules
 from jaxscale._autocast.values import (
     cast,
     dtype_of,
@@ -41,7 +41,14 @@ from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
 from jaxscale._policy import parse_float_dtype
 
-__all__ = ["autocast", "check_dtype", "interpret", "names_dot", "resolve"]
+__all__ = [
+    "autocast",
+    "check_dtype",
+    "interpret",
+    "names_dot",
+    "resolve",
+    "with_plan",
+]
 
 _DISABLED = f"{REGION_PREFIX}_disabled"
 _F16, _BF16, _F32 = (np.dtype(jnp.dtype(d)) for d in ("float16", "bfloat16", "float32"))
@@ -269,7 +276,7 @@ def autocast(
       >>> [s.dtype for s in scores(x, x)]
       [dtype('float32'), dtype('float16')]
     """
-    float8 = _with_plan(plan, float8)
+    float8 = with_plan(plan, float8)
     dt, table, classes, plugin = resolve(dtype, rules, float8)
     wide = gradient_policy(gradient_dtype, dt)
     for name, flag in (
@@ -319,7 +326,7 @@ def autocast(
     return wrapper
 
 
-def _with_plan(plan: Any, float8: Any) -> Any:
+def with_plan(plan: Any, float8: Any) -> Any:
     """``float8=``, or the rule of ``plan=`` (a :class:`PluginRule`, or an
     object whose ``autocast_rule()`` gives one: a
     :class:`jaxscale.precision.Plan`)."""
@@ -344,31 +351,37 @@ def resolve(
     dtype: Any, rules: Mapping[Any, Any] | None, float8: Any
 ) -> tuple[np.dtype, dict[str, AutocastRule], Mapping[AutocastRule, RuleClass], Any]:
     """``autocast``'s arguments checked and resolved: the dtype, the table, the
-    rule classes (with the rule object passed in, if any, in the ``"float8"``
-    slot) and that rule object (a :class:`PluginRule`, or ``None``)."""
+    rule classes (with the rule object passed in, if any, in the plug-in slot,
+    :attr:`Slot.PLUGIN`) and that rule object (a :class:`PluginRule`, or
+    ``None``). ``dot_general`` takes the plug-in unless ``rules`` names it, and
+    so does every primitive ``rules`` gives the ``"float8"`` rule (the name
+    users write for the rule object passed in)."""
     dt = check_dtype(dtype)
     plugin, rules = _plugin_of(float8, rules)
     table = resolve_rules(rules)
-    if plugin is not None:
-        plugin.check(dt)
-        if not (rules and names_dot(rules)):
-            table["dot_general"] = AutocastRule.FLOAT8
-    elif AutocastRule.FLOAT8 in table.values():
-        raise ValueError(
-            "`rules`: the 'float8' rule needs a float8 recipe: pass "
-            "`float8=True` (current scaling), `float8='delayed'` or a "
-            "`jxs.float8` recipe as well."
-        )
     if plugin is None:
+        if AutocastRule.FLOAT8 in table.values():
+            raise ValueError(
+                "`rules`: the 'float8' rule needs a float8 recipe: pass "
+                "`float8=True` (current scaling), `float8='delayed'` or a "
+                "`jxs.float8` recipe as well."
+            )
         return dt, table, RULE_CLASSES, None
-    return dt, table, {**RULE_CLASSES, AutocastRule.FLOAT8: plugin}, plugin
+    plugin.check(dt)
+    if not (rules and names_dot(rules)):
+        table["dot_general"] = Slot.PLUGIN
+    table = {
+        k: Slot.PLUGIN if v is AutocastRule.FLOAT8 else v for k, v in table.items()
+    }
+    return dt, table, {**RULE_CLASSES, Slot.PLUGIN: plugin}, plugin
 
 
 def _plugin_of(
     float8: Any, rules: Mapping[Any, Any] | None
 ) -> tuple[Any, Mapping[Any, Any] | None]:
     """The rule object of ``float8=`` or among the values of ``rules`` (where it
-    is replaced by the ``"float8"`` slot), or ``None``."""
+    is replaced by the ``"float8"`` rule, the plug-in's name in ``rules``), or
+    ``None``."""
     plugin = _named(float8)
     if not isinstance(rules, Mapping):
         return plugin, rules

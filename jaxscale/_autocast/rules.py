@@ -25,6 +25,7 @@ from jaxscale._jax_private import HIGHER_ORDER_NAMES
 __all__ = [
     "AutocastRule",
     "HIGHER_ORDER",
+    "Slot",
     "UNLISTED",
     "autocast_rules",
     "resolve_rules",
@@ -86,7 +87,9 @@ class AutocastRule(enum.StrEnum):
       whose sizes reach the recipe's ``min_dim`` runs as a float8 matmul with
       per-tensor scales (operands in float8_e4m3fn, the gradient in
       float8_e5m2, output in ``dtype``; ``docs/float8.md``); any other
-      ``dot_general`` is ``LOWER``. Only valid together with ``float8=``.
+      ``dot_general`` is ``LOWER``. Only valid together with ``float8=`` (or
+      ``plan=``): it names the rule object passed in, which runs in autocast's
+      plug-in slot.
     - ``WIDE`` (``"wide"``): ``LOWER``, except that a ``dot_general`` whose
       result the function widens to float32 anyway (attention scores on their
       way to a softmax) accumulates and comes out in float32, in float16 and
@@ -117,6 +120,19 @@ class AutocastRule(enum.StrEnum):
     TRACED = "traced"
     FLOAT8 = "float8"
     WIDE = "wide"
+
+
+class Slot(enum.StrEnum):
+    """Table entries that are not rules a user names: where a rule object passed
+    in to :func:`jaxscale.autocast` runs.
+
+    ``PLUGIN``: the :class:`~jaxscale._autocast.classes.PluginRule` of
+    ``float8=`` (a float8 recipe) or of ``plan=`` (a precision plan's sites);
+    ``dot_general`` takes it, and so does every primitive ``rules`` gives the
+    ``"float8"`` rule or the rule object itself.
+    """
+
+    PLUGIN = "plugin"
 
 
 _LOWER = ("conv_general_dilated", "dot_general", "ragged_dot_general")

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._autocast.classes import FOLD_NOTE, WIDE_NOTE
-from jaxscale._autocast.entry import interpret, resolve
+from jaxscale._autocast.entry import interpret, resolve, with_plan
+from jaxscale._autocast.gradients import gradient_policy
 from jaxscale._autocast.hop import HANDLERS
-from jaxscale._autocast.rules import AutocastRule
+from jaxscale._autocast.rules import AutocastRule, Slot
 from jaxscale._autocast.values import floating
 from jaxscale.diagnostics._census import INLINE_HANDLERS, Census, Compare, source_of
 from jaxscale.diagnostics._cotangents import as_pure
@@ -219,7 +220,7 @@ def _build(
     lowered = [
         int(np.prod(shape, dtype=np.int64))
         for e in entries
-        if e["rule"] in (AutocastRule.LOWER, AutocastRule.FLOAT8)  # matmuls
+        if e["rule"] in (AutocastRule.LOWER, Slot.PLUGIN)  # matmuls
         for shape, _ in e["outs"][:1]
     ]
     if min_size is None:
@@ -298,6 +299,8 @@ def autocast_report(
     compare: bool = False,
     min_size: int | None = None,
     float8: Any = None,
+    gradient_dtype: Any = None,
+    plan: Any = None,
 ) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to ``fun``: each operation's dtype, and where.
 
@@ -355,6 +358,11 @@ def autocast_report(
         error against float32 is listed with the others: where float8 lost
         most. A delayed recipe is reported with current scaling (the report
         has no state).
+      gradient_dtype: as for :func:`autocast`: the report then runs what a
+        step with this ``gradient_dtype`` runs (the report of a gradient
+        counts its weight-gradient products in that dtype).
+      plan: as for :func:`autocast`: a :class:`jaxscale.precision.Plan`, each
+        matmul site in its plan's format (not with ``float8``).
 
     Returns:
       A function with ``fun``'s signature returning an :class:`AutocastReport`.
@@ -365,7 +373,8 @@ def autocast_report(
         report function, with ``compare=True``, if an argument is a tracer or a
         ``jax.ShapeDtypeStruct``.
       ValueError: if ``dtype`` is not one :func:`autocast` accepts, a rule is
-        unknown, or ``min_size`` is below 1.
+        unknown, ``min_size`` is below 1, ``gradient_dtype`` is neither
+        float32 nor ``dtype``, or both ``plan`` and ``float8`` are given.
 
     Examples:
       >>> import jaxscale as jxs
@@ -411,10 +420,11 @@ def autocast_report(
             "`jxs.diagnostics.autocast_report(fun, dtype)(*args)` reports what "
             "`jxs.autocast(fun, dtype)(*args)` does."
         )
-    dt, table, classes, plugin = resolve(dtype, rules, float8)
+    dt, table, classes, plugin = resolve(dtype, rules, with_plan(plan, float8))
+    wide = gradient_policy(gradient_dtype, dt)
     if plugin is not None:  # outside a train step: no state (delayed: current)
         plugin = plugin.for_report()
-        classes = {**classes, AutocastRule.FLOAT8: plugin}
+        classes = {**classes, Slot.PLUGIN: plugin}
     if not isinstance(compare, bool | np.bool_):
         raise TypeError(f"`compare` must be a Python bool, got {compare!r}.")
     if min_size is not None:
@@ -436,7 +446,7 @@ def autocast_report(
         ext = plugin.begin() if plugin is not None else None
         census = Census(dt, table, HANDLERS, classes=classes, extension=ext)
         pure, arrays = _abstract_pure(
-            lambda *a, **kw: interpret(fun, census, a, kw), args, kwargs
+            lambda *a, **kw: interpret(fun, census, a, kw, wide=wide), args, kwargs
         )
         jax.eval_shape(pure, arrays)
         deviation = None
@@ -444,7 +454,7 @@ def autocast_report(
             ext = plugin.begin() if plugin is not None else None
             it = Compare(dt, table, INLINE_HANDLERS, classes=classes, extension=ext)
             pure, arrays = as_pure(
-                lambda *a, **kw: interpret(fun, it, a, kw), args, kwargs
+                lambda *a, **kw: interpret(fun, it, a, kw, wide=wide), args, kwargs
             )
             pure(arrays)
             deviation = [AutocastSite(**s) for s in it.sites.values()]

@@ -22,13 +22,13 @@ Examples:
 
 from jaxscale._cost import DeviceCost as DeviceCost
 from jaxscale._speed import Format as Format
-from jaxscale.precision._calibrate import Sensor as Sensor
-from jaxscale.precision._calibrate import plan_precision as plan_precision
 from jaxscale.precision._measure import SiteMeasure as SiteMeasure
 from jaxscale.precision._monitor import Monitor as Monitor
 from jaxscale.precision._monitor import MonitorState as MonitorState
 from jaxscale.precision._plan import Plan as Plan
 from jaxscale.precision._plan import SitePlan as SitePlan
+from jaxscale.precision._sensor import Sensor as Sensor
+from jaxscale.precision._sensor import plan_precision as plan_precision
 from jaxscale.precision._solve import solve as solve
 
 __all__ = [

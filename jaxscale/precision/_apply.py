@@ -1,18 +1,9 @@
-"""Matmul sites under :func:`jaxscale.autocast`, and a plan applied to them.
+"""A plan applied: each matmul site (:mod:`jaxscale.precision._sites`) run in
+its format.
 
-A *site* is a ``dot_general`` without batch dimensions whose two operands are
-floating, met while an autocast region is evaluated (outside custom-derivative
-rules and ``shard_map`` bodies, where a plan does not reach). Sites are named
-by their name stack (Flax module paths, ``jax.named_scope``; ``(top level)``
-where there is none); the second site of the same name stack is ``name#1``,
-the third ``name#2``, and so on, in the order the function meets them. A site
-in a ``scan`` body is one site, whatever the length (a scanned stack of layers
-shares one format). Calls (``jit``) are entered in place, so a layer called
-twice is two sites.
-
-:class:`SiteRule` is the :class:`~jaxscale._autocast.classes.PluginRule` that
-names the sites (its extension, :class:`SiteContext`, counts them, across
-retraces of a loop's body); :class:`PlanRule` runs each in its plan's format:
+:class:`SiteRule` is the :class:`~jaxscale.internal.PluginRule` that finds the
+sites (its extension, a :class:`~jaxscale.precision._sites.SiteContext`, names
+them); :class:`PlanRule` runs each in its plan's format:
 
 - ``FLOAT32``: float32 operands, float32 product (JAX's default precision);
 - ``HALF``: the autocast rule (``"lower"``) as without a plan;
@@ -25,41 +16,33 @@ retraces of a loop's body); :class:`PlanRule` runs each in its plan's format:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast.classes import RULE_CLASSES, PluginRule, wide_product
-from jaxscale._autocast.interp import Extension, Loop
-from jaxscale._autocast.rules import AutocastRule
-from jaxscale._autocast.values import dtype_of, is_castable
 from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
-from jaxscale.float8._recipes import CurrentScaling, RowwiseScaling
-from jaxscale.float8._site import broadcast_max, float8_dot, sizes
+from jaxscale.float8 import CurrentScaling, RowwiseScaling
+from jaxscale.internal import (
+    RULE_CLASSES,
+    AutocastRule,
+    PluginRule,
+    dtype_of,
+    float8_dot,
+    wide_product,
+)
 from jaxscale.precision._measure import FORMATS
+from jaxscale.precision._sites import SiteContext, site_sizes
 
-__all__ = [
-    "FLOAT8_RECIPES",
-    "TOP_LEVEL",
-    "PlanRule",
-    "ProbeContext",
-    "SiteContext",
-    "SiteRule",
-    "site_name",
-    "site_sizes",
-]
+__all__ = ["FLOAT8_RECIPES", "PlanRule", "SiteRule"]
 
 _F32 = np.dtype("float32")
 _LOWER = RULE_CLASSES[AutocastRule.LOWER]
 _FLOAT32 = RULE_CLASSES[AutocastRule.FLOAT32]
-TOP_LEVEL = "(top level)"
 # The float8 recipes a plan's float8 sites run (current scaling: no state).
 FLOAT8_RECIPES = MappingProxyType(
     {
@@ -67,128 +50,6 @@ FLOAT8_RECIPES = MappingProxyType(
         Format.FLOAT8_ROWWISE: RowwiseScaling(min_dim=0),
     }
 )
-
-
-def site_name(where: str, seen: Sequence[str]) -> str:
-    """The name of a site at name stack ``where``, after the sites ``seen``:
-    ``where`` (``(top level)`` if empty), then ``where#1``, ``where#2``..."""
-    base = where or TOP_LEVEL
-    k = sum(1 for s in seen if s == base or s.startswith(base + "#"))
-    return base if k == 0 else f"{base}#{k}"
-
-
-class _SiteLoop(Loop):
-    """:meth:`SiteContext.loop`: a ``scan`` whose body may be traced more than
-    once; the sites met in it are counted once. An extension that threads
-    per-site values (the sensor's probes) broadcasts them over the iterations."""
-
-    def __init__(self, ctx: SiteContext, length: int):
-        self.ctx, self.first, self.length = ctx, len(ctx.seen), length
-        self.xs = ctx.loop_inputs(self.first, length)
-
-    @contextlib.contextmanager
-    def body(self, extra: Sequence[Any]) -> Iterator[None]:
-        ctx = self.ctx
-        del ctx.seen[self.first :]
-        saved = ctx.enter_loop(self.first, extra)
-        ctx.loops.append(self.length)
-        try:
-            yield
-        finally:
-            ctx.loops.pop()
-            ctx.leave_loop(saved)
-
-
-class SiteContext(Extension):
-    """The sites met in one autocast evaluation, in order (``seen``), with
-    the choice made for the equation being evaluated (``choice``: the
-    equation, its site's name and its format)."""
-
-    inline_calls = True  # a call's sites are the caller's, met at each call
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-        self.loops: list[int] = []  # the lengths of the scans around, outermost first
-        self.paused = 0
-        self.choice: tuple[Any, str, Any] | None = None
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
-
-    def opaque(self) -> Any:
-        return self.suspended()
-
-    def loop(self, length: int) -> Loop:
-        return _SiteLoop(self, length)
-
-    def loop_inputs(self, first: int, length: int) -> tuple[Any, ...]:
-        """Per-iteration inputs of a loop entered after ``first`` sites."""
-        return ()
-
-    def enter_loop(self, first: int, extra: Sequence[Any]) -> Any:
-        return None
-
-    def leave_loop(self, saved: Any) -> None:
-        pass
-
-    def register(self, where: str) -> str:
-        name = site_name(where, self.seen)
-        self.seen.append(name)
-        return name
-
-
-class ProbeContext(SiteContext):
-    """A :class:`SiteContext` whose sites read *probes*: zero inputs, one per
-    site in the order met, whose cotangents carry what the site measured
-    (``session.probes``; ``None`` while only counting). In a ``scan`` body the
-    probes enter once per iteration; their cotangents combine over the
-    iterations by ``session.combine``: ``"sum"`` or ``"max"``."""
-
-    def __init__(self, session: Any):
-        super().__init__()
-        self.session = session
-
-    def loop_inputs(self, first, length):
-        probes = self.session.probes
-        if probes is None or first >= len(probes):
-            return ()
-        block = jnp.stack(probes[first:])
-        if self.session.combine == "max":
-            return (broadcast_max(block, length),)
-        return (jnp.broadcast_to(block, (length, *block.shape)),)
-
-    def enter_loop(self, first, extra):
-        saved = self.session.probes
-        if extra:
-            (block,) = extra
-            rows = [block[i] for i in range(block.shape[0])]
-            self.session.probes = [*saved[:first], *rows]
-        return saved
-
-    def leave_loop(self, saved):
-        self.session.probes = saved
-
-    def probe(self) -> Any:
-        """The probe of the site registered last, or ``None``."""
-        probes, index = self.session.probes, len(self.seen) - 1
-        return None if probes is None or index >= len(probes) else probes[index]
-
-
-def site_sizes(eqn: Any, vals: Sequence[Any]) -> tuple[int, int, int] | None:
-    """``(m, k, n)`` if ``eqn`` on ``vals`` is a site, else ``None``."""
-    if (
-        eqn.primitive.name != "dot_general"
-        or len(vals) != 2
-        or not all(is_castable(dtype_of(v)) for v in vals)
-    ):
-        return None
-    mkn = sizes(eqn.params, np.shape(vals[0]), np.shape(vals[1]))
-    return None if mkn is None or min(mkn) < 1 else mkn
 
 
 class SiteRule(PluginRule):
@@ -210,7 +71,9 @@ class SiteRule(PluginRule):
     def begin(self) -> SiteContext:
         return SiteContext()
 
-    def format_of(self, ctx: SiteContext, name: str, mkn: tuple, infos: Any) -> Any:
+    def format_of(
+        self, ctx: SiteContext, name: str, mkn: tuple, eqn: Any, vals: list, infos: Any
+    ) -> Any:
         raise NotImplementedError
 
     def decide(self, it: Any, eqn: Any, vals: list, infos: Any) -> Any:
@@ -222,7 +85,7 @@ class SiteRule(PluginRule):
         if mkn is None:
             return None
         name = ctx.register(str(eqn.source_info.name_stack))
-        fmt = self.format_of(ctx, name, mkn, infos)
+        fmt = self.format_of(ctx, name, mkn, eqn, vals, infos)
         ctx.choice = (eqn, name, fmt)
         return fmt
 
@@ -312,7 +175,7 @@ class PlanRule(SiteRule):
     def __post_init__(self) -> None:
         object.__setattr__(self, "formats", _plan_formats(self.formats))
 
-    def format_of(self, ctx, name, mkn, infos):
+    def format_of(self, ctx, name, mkn, eqn, vals, infos):
         fmt = dict(self.formats).get(name)
         if fmt is None:
             known = ", ".join(s for s, _ in self.formats[:8]) or "none"

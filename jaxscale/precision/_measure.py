@@ -19,7 +19,15 @@ from typing import Any
 from jaxscale._cost import DeviceCost
 from jaxscale._speed import Format, site_seconds
 
-__all__ = ["FORMATS", "PRECISION", "SiteMeasure", "in_order", "number", "score"]
+__all__ = [
+    "FORMATS",
+    "PRECISION",
+    "SiteMeasure",
+    "half_ratio",
+    "in_order",
+    "number",
+    "score",
+]
 
 # From the most to the least precise: ties in a plan go to the first.
 PRECISION = (
@@ -232,3 +240,9 @@ class SiteMeasure:
         """The speed model's predicted seconds of this site in ``fmt``, its
         ``runs`` runs included."""
         return self.runs * site_seconds(fmt, *self.shape, *self.operand_bytes, cost)
+
+
+def half_ratio(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> float:
+    """The predicted time of site ``m`` in ``fmt`` over its time in 16 bits (the
+    ratio a plan's ``why`` states)."""
+    return m.seconds(fmt, cost) / m.seconds(Format.HALF, cost)

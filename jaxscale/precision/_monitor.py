@@ -5,7 +5,7 @@ Each site of the plan runs in its format, as under ``jxs.autocast(f, dtype,
 plan=plan)``, and its output passes through a *watch*: an identity whose
 forward measures the site's operands and output and whose backward measures
 the incoming gradient, and which returns both as the cotangent of a zero probe
-(:class:`~jaxscale.precision._apply.ProbeContext`: in a ``scan``, the maximum
+(:class:`~jaxscale.precision._sites.ProbeContext`: in a ``scan``, the maximum
 over the iterations). The step gets them with its gradients, as arrays: no
 host synchronisation. :meth:`Monitor.update` folds them into a
 :class:`MonitorState` (counters per site); :meth:`Monitor.replan`, on the host
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._autocast.entry import autocast, check_dtype
 from jaxscale._grad import value_and_grad as scaled
 from jaxscale._speed import Format
-from jaxscale.float8._numerics import E4M3
-from jaxscale.precision._apply import PlanRule, ProbeContext, SiteContext
+from jaxscale.internal import autocast, check_dtype
+from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._measure import PRECISION
 from jaxscale.precision._plan import Plan
-from jaxscale.precision._sensor import SESSION, Session
+from jaxscale.precision._sites import ProbeContext, SiteContext
+from jaxscale.precision._tap import SESSION, Session
 
 __all__ = ["FIELDS", "Monitor", "MonitorState"]
 
@@ -56,6 +56,7 @@ FIELDS = (
 )
 _K = len(FIELDS)
 _FIELD = MappingProxyType({f: i for i, f in enumerate(FIELDS)})
+_E4M3 = np.dtype(jnp.float8_e4m3fn)
 _TINY_E4M3 = 2.0**-10  # half e4m3fn's smallest subnormal: rounds to zero
 
 
@@ -123,7 +124,7 @@ def _float8_flush(t: Any) -> Any:
     e4m3fn's largest value flushes to zero."""
     t = jnp.abs(t.astype(_F32))
     a = _amax(t)
-    top = float(jnp.finfo(E4M3).max)
+    top = float(jnp.finfo(_E4M3).max)
     nonzero = (t > 0) & jnp.isfinite(t)
     lost = nonzero & (t * (top / jnp.maximum(a, 1e-30)) < _TINY_E4M3)
     return _count(lost) / jnp.maximum(_count(nonzero), 1.0)

@@ -1,280 +1,358 @@
-"""The sensor: what each format would do at each matmul site, measured.
-
-On a calibration batch the function runs in float32 (every site's product at
-``Precision.HIGHEST``: the reference) under the autocast interpreter, with a
-*tap* at each site (:class:`SensorRule`): a ``custom_vjp`` whose backward,
-given the site's incoming gradient ``g`` (what one backward pass of the loss
-gives), recomputes the site's three products in every format from the same
-operands and returns, as the cotangent of a zero *probe* input, per format:
-
-- the first-order change of the loss, ``sum(g * dy)``, and its square summed
-  elementwise, ``sum((g * dy)**2)`` (the variance of the loss change the
-  format's rounding adds, if the elements' errors are independent: the
-  Taylor/Fisher score NVIDIA ModelOpt's ``auto_quantize`` ranks layers by),
-  where ``dy`` is the format's output minus the reference;
-- the squared errors of its backward products ``g w^T`` and ``x^T g`` (run on
-  the gradient scaled by the loss scale and cast as the format would see it);
-- counts: outputs that overflow where the reference is finite, operands beyond
-  the format's range, gradients that overflow or flush to zero once scaled.
-
-Probes in a ``scan`` body enter once per iteration; their cotangents are
-summed over the iterations. :mod:`jaxscale.precision._score` turns the sums
-into :class:`~jaxscale.precision.SiteMeasure` scores.
-"""
+"""The sensor: :class:`Sensor` runs the tap (:mod:`jaxscale.precision._tap`) on
+calibration batches and turns its sums into
+:class:`~jaxscale.precision.SiteMeasure` scores; :func:`plan_precision`
+measures and solves in one call."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxscale._autocast.classes import scaled_in_float32, wide_product
-from jaxscale._autocast.values import dtype_of
-from jaxscale._jax_private import bind, dot_dimension_numbers
-from jaxscale._jax_private import with_preferred_element_type as _with_out
-from jaxscale._scope import Scope
+from jaxscale._cost import DeviceCost, current_device
 from jaxscale._speed import Format
-from jaxscale.float8._site import float8_dot
-from jaxscale.precision._apply import (
-    FLOAT8_RECIPES,
-    ProbeContext,
-    SiteContext,
-    SiteRule,
-    site_sizes,
+from jaxscale.internal import autocast, check_dtype
+from jaxscale.precision._measure import PRECISION, SiteMeasure, number
+from jaxscale.precision._plan import Plan
+from jaxscale.precision._solve import solve
+from jaxscale.precision._tap import (
+    FIELDS,
+    REFERENCE,
+    SESSION,
+    WIDTH,
+    SensorRule,
+    Session,
 )
-from jaxscale.precision._measure import PRECISION
 
-__all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "WIDTH"]
+__all__ = ["Sensor", "plan_precision"]
 
 _F32 = np.dtype("float32")
-# Per format, in PRECISION order; then the reference's own sums.
-FIELDS = (
-    "linear",  # sum(g * dy): the loss change, to first order
-    "fisher",  # sum((g * dy)**2)
-    "dx",  # sum of squared errors of g w^T
-    "dw",  # sum of squared errors of x^T g
-    "overflow",  # outputs non-finite where the reference is finite
-    "range",  # operands beyond the format's range
-    "grad_overflow",  # scaled gradients or backward products non-finite
-    "flush",  # nonzero gradients flushed to zero once scaled and cast
-)
-REFERENCE = (
-    "dx_ref",  # sum of squares of g w^T
-    "dw_ref",  # sum of squares of x^T g
-    "outputs",  # elements of the output (and of its gradient)
-    "grads",  # nonzero elements of the gradient
-    "inputs",  # elements of both operands
-    "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
-)
-WIDTH = len(PRECISION) * len(FIELDS) + len(REFERENCE)
-SESSION = Scope("precision sensor")
 
 
-class Session:
-    """One traced run of the sensor: the probes (``None`` while the sites are
-    only counted), and per site its size and operand bytes as met."""
-
-    def __init__(self, probes: Sequence[Any] | None = None, combine: str = "sum"):
-        self.probes = list(probes) if probes is not None else None
-        self.combine = combine  # how a loop's iterations combine: "sum", "max"
-        # per site: (m, k, n), operand bytes, runs per step
-        self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int], int]] = {}
-        self.order: list[str] = []
-
-
-def _reference(x, w, dims):
-    return lax.dot_general(
-        x.astype(_F32),
-        w.astype(_F32),
-        dims,
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=_F32,
-    )
-
-
-def _product(fmt: Format, params: Any, dims: Any, dtype: np.dtype):
-    """The site's product in ``fmt``, as a function of float32 operands."""
-    prim = lax.dot_general_p
-    if fmt is Format.FLOAT32:
-        return lambda x, w: bind(prim, _with_out(params, _F32), [x, w])[0]
-    if fmt is Format.HALF:
-        return lambda x, w: bind(
-            prim, _with_out(params, dtype), [x.astype(dtype), w.astype(dtype)]
-        )[0]
-    if fmt is Format.HALF_WIDE:
-        from_params = _with_out(params, _F32)
-        return lambda x, w: _wide(prim, from_params, x.astype(dtype), w.astype(dtype))
-    recipe = FLOAT8_RECIPES[fmt]
-    return lambda x, w: float8_dot(x, w, dims, dtype, recipe, None)
-
-
-def _wide(prim, params, x, w):
-    # The widening rule's product: float32 out, its backward in x's dtype.
-    return wide_product(prim, params, x, w)
-
-
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask.astype(_F32))
-
-
-def _beyond(x, dtype: np.dtype) -> jax.Array:
-    """Elements of float32 ``x`` that ``dtype`` cannot hold (non-finite once
-    cast where finite before)."""
-    return _count(jnp.isfinite(x) & ~jnp.isfinite(x.astype(dtype)))
-
-
-def _sq(d) -> jax.Array:
-    return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
-
-
-def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
-    yf, vjp = jax.vjp(make, x, w)
-    out = yf.astype(_F32)
-    finite = jnp.isfinite(out)
-    dy = jnp.where(finite, out - y, 0.0)
-    gdy = g * dy
-    narrow = fmt is not Format.FLOAT32
-    scaled = g * loss_scale
-    gf = scaled.astype(yf.dtype)
-    dxf, dwf = (t.astype(_F32) / loss_scale for t in vjp(gf))
-    flushed = (gf == 0) & (g != 0) if yf.dtype != _F32 else jnp.zeros((), bool)
-    in_range = (
-        _beyond(x, dtype) + _beyond(w, dtype)
-        if fmt in (Format.HALF, Format.HALF_WIDE)
-        else jnp.zeros((), _F32)
-    )
-    return [
-        jnp.sum(gdy),
-        jnp.sum(gdy**2),
-        _sq(dxf - dx),
-        _sq(dwf - dw),
-        _count(~finite & jnp.isfinite(y)),
-        in_range,
-        _count(~jnp.isfinite(dxf))
-        + _count(~jnp.isfinite(dwf))
-        + (_count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g)) if narrow else 0.0),
-        _count(flushed),
-    ]
-
-
-def _tap(
-    params: Any,
-    dims: Any,
-    dtype: np.dtype,
-    loss_scale: float,
-    widens: bool,
-    formats: tuple[Format, ...],
-):
-    """The site's reference product, whose backward measures ``formats`` (the
-    others' fields are zeros). ``widens``: autocast's 16-bit product returns
-    float32 there, to take a scale in float32 before it is rounded (the float16
-    scale rule)."""
-    makes = [
-        (
-            f,
-            _product(
-                Format.HALF_WIDE if widens and f is Format.HALF else f,
-                params,
-                dims,
-                dtype,
-            ),
+def _loss_scale(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise TypeError(
+            "`loss_scale` must be a number (the loss scale the model trains with, "
+            f"e.g. 2.0**15 for float16), got {type(value).__name__} {value!r}."
         )
-        for f in PRECISION
-        if f in formats
-    ]
-
-    @jax.custom_vjp
-    def tap(x, w, probe):
-        return _reference(x, w, dims)
-
-    def fwd(x, w, probe):
-        y = _reference(x, w, dims)
-        return y, (x, w, y)
-
-    def bwd(res, g):
-        x, w, y = res
-        x32, w32, g = x.astype(_F32), w.astype(_F32), g.astype(_F32)
-        _, vjp = jax.vjp(lambda a, b: _reference(a, b, dims), x32, w32)
-        dx, dw = vjp(g)
-        stats, made = [], dict(makes)
-        for fmt in PRECISION:
-            if fmt not in made:
-                stats += [0.0] * len(FIELDS)
-                continue
-            make = made[fmt]
-            stats += _format_stats(fmt, make, x32, w32, y, g, dx, dw, dtype, loss_scale)
-        top = float(jnp.finfo(dtype).max)
-        stats += [_sq(dx), _sq(dw), jnp.asarray(y.size, _F32), _count(g != 0)]
-        stats += [jnp.asarray(x.size + w.size, _F32), _count(jnp.abs(g) > top)]
-        probe = jnp.stack([jnp.asarray(s, _F32) for s in stats])
-        return dx.astype(x.dtype), dw.astype(w.dtype), probe
-
-    tap.defvjp(fwd, bwd)
-    return tap
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`loss_scale` must be finite and positive, got {value!r}.")
+    return float(value)
 
 
-@dataclasses.dataclass(frozen=True)
-class SensorRule(SiteRule):
-    """The sensor's autocast rule: every site's reference product, tapped
-    while a :class:`Session` with probes is in scope (:data:`SESSION`), and
-    counted (its size and operand bytes recorded) in any case."""
-
-    loss_scale: float = 1.0
-    formats: tuple[Format, ...] = PRECISION
-
-    def begin(self) -> SiteContext:
-        session = SESSION.current()
-        return ProbeContext(session if session is not None else Session())
-
-    def format_of(self, ctx, name, mkn, infos):
-        return Format.HALF  # not reached: decide_sensed takes every site
-
-    def cast_operands(self, it, eqn, vals, infos, traced):
-        if self.decide_sensed(it, eqn, vals, infos):
-            return vals, None
-        return super().cast_operands(it, eqn, vals, infos, traced)
-
-    def decide_sensed(self, it, eqn, vals, infos) -> bool:
-        ctx = it.extension
-        if not isinstance(ctx, ProbeContext) or ctx.paused:
-            return False
-        if site_sizes(eqn, vals) is None:
-            return False
-        name = ctx.register(str(eqn.source_info.name_stack))
-        self.record(ctx, name, eqn, vals, infos)
-        ctx.choice = (eqn, name, Format.FLOAT32)
-        return True
-
-    def record(self, ctx, name, eqn, vals, infos) -> None:
-        mkn = site_sizes(eqn, vals)
-        nbytes = tuple(
-            dtype_of(v).itemsize if i.param else 2
-            for v, i in zip(vals, infos, strict=True)
+def _formats(formats: Any) -> tuple[Format, ...]:
+    """The formats to measure, in :data:`PRECISION` order, 16 bits always
+    (the budget's reference and the scores' scale)."""
+    if formats is None:
+        return PRECISION
+    if isinstance(formats, Format | str) or not isinstance(formats, Iterable):
+        raise TypeError(
+            "`formats` must be a collection of `jxs.precision.Format`s (or None: "
+            f"all five), got {formats!r}."
         )
-        runs = math.prod(ctx.loops)
-        ctx.session.sites.setdefault(name, (mkn, nbytes, runs))
-        if name not in ctx.session.order:
-            ctx.session.order.append(name)
+    given = set(formats)
+    bad = [f for f in given if not isinstance(f, Format)]
+    if bad:
+        raise TypeError(f"`formats` must hold `jxs.precision.Format`s, got {bad[0]!r}.")
+    return tuple(f for f in PRECISION if f in given or f is Format.HALF)
 
-    def adjust_params(self, it, eqn, vals, traced):
-        if self.chosen(it, eqn) is not None:
-            return eqn.params
-        return super().adjust_params(it, eqn, vals, traced)
 
-    def emit_site(self, it, eqn, params, vals, name, fmt):
-        ctx = it.extension
-        dims = dot_dimension_numbers(params)
-        probe = ctx.probe()
-        x, w = vals
-        if probe is None:
-            return [_reference(x, w, dims)]
-        it.note(f"site {name}: measured")
-        widens = scaled_in_float32(it, eqn)
-        tap = _tap(params, dims, it.dtype, self.loss_scale, widens, self.formats)
-        return [tap(x, w, probe)]
+class Sensor:
+    """Measures, per matmul site of ``fun`` and per format, the error each
+    format would add, on calibration batches.
+
+    ``fun`` takes arrays and returns a scalar loss, written in float32 (as for
+    :func:`jaxscale.autocast`). Each :meth:`update` runs one jitted forward and
+    backward pass of ``fun`` in float32 (the reference), and at each site
+    (a ``dot_general`` without batch dimensions: what
+    ``jxs.autocast(fun, dtype, plan=...)`` runs per format) computes the site's
+    three products again in each :class:`~jaxscale.precision.Format` from the
+    same operands, with the gradient scaled by ``loss_scale`` and cast as that
+    format would take it. :meth:`measures` gives the scores
+    (``docs/precision.md``, "What the sensor measures"):
+
+    - ``fisher``: ``sum((g * dy)**2)``, the variance the format's output error
+      ``dy`` adds to the loss to first order (``g``: the site's gradient), and
+      ``grad``: the relative squared error of its backward products; the score
+      is ``fisher / F + grad / G``, ``F`` and ``G`` their sums over the sites in
+      16 bits, so the model in 16 bits scores 2;
+    - ``inf`` where the format's range fails on a batch: an output that
+      overflows, an operand it cannot hold, a gradient beyond 16 bits even
+      unscaled. A gradient that overflows only at ``loss_scale`` is noted, not
+      failed: dynamic loss scaling lowers the scale until it fits.
+
+    Sites are named as ``jxs.autocast(..., plan=)`` names them: by name stack,
+    ``#1``, ``#2`` for repeats, a scanned layer once.
+
+    Args:
+      fun: the loss function.
+      dtype: the autocast dtype the plan will run in (bfloat16 or float16): the
+        format ``Format.HALF`` is.
+      loss_scale: the loss scale the model trains with (the backward's
+        gradients are measured scaled by it; 1.0 for bfloat16).
+      rules: the ``rules`` of :func:`jaxscale.autocast`, if the plan will run
+        with some.
+      formats: the formats to measure (default: all five; ``HALF`` always,
+        the budget's reference). Fewer formats, fewer products to compile
+        and run; a format not measured is never chosen.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxscale.precision
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+      >>> p = {"w1": jax.random.normal(k1, (16, 32)),
+      ...      "w2": jax.random.normal(k2, (32, 4))}
+      >>> sensor = jxs.precision.Sensor(loss, jnp.bfloat16)
+      >>> sensor.update(p, jax.random.normal(k3, (8, 16))).batches
+      1
+      >>> [m.site for m in sensor.measures()]
+      ['(top level)', '(top level)#1']
+      >>> F = jxs.precision.Format
+      >>> all(m.errors[F.FLOAT8] > m.errors[F.HALF] for m in sensor.measures())
+      True
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        dtype: Any = jnp.bfloat16,
+        *,
+        loss_scale: float = 1.0,
+        rules: Any = None,
+        formats: Iterable[Format] | None = None,
+    ):
+        if not callable(fun):
+            raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+        self.dtype = check_dtype(dtype)
+        if self.dtype == _F32:
+            raise ValueError(
+                "`dtype` must be bfloat16 or float16 (the 16-bit dtype the plan "
+                "runs in), got float32."
+            )
+        self.loss_scale = _loss_scale(loss_scale)
+        self.formats = _formats(formats)
+        rule = SensorRule(loss_scale=self.loss_scale, formats=self.formats)
+        self._run = autocast(fun, self.dtype, rules=rules, plan=rule)
+        self._sites: dict[str, tuple[Any, ...]] = {}
+        self._order: list[str] = []
+        self._sums: np.ndarray | None = None
+        self.batches = 0
+        self._step = jax.jit(self._probe_grads)
+
+    def _loss(self, probes: Any, args: tuple, kwargs: dict) -> Any:
+        with SESSION.push(Session(probes)):
+            out = self._run(*args, **kwargs)
+        if not (
+            hasattr(out, "shape")
+            and jnp.shape(out) == ()
+            and jnp.issubdtype(out.dtype, jnp.floating)
+        ):
+            got = jax.typeof(out) if hasattr(out, "shape") else type(out).__name__
+            raise TypeError(
+                "`fun` must return a scalar floating loss (the sensor "
+                f"differentiates it), got {got}."
+            )
+        return out.astype(_F32)
+
+    def _probe_grads(self, probes: Any, args: tuple, kwargs: dict) -> Any:
+        return jax.grad(self._loss)(probes, args, kwargs)
+
+    def _count(self, args: tuple, kwargs: dict) -> None:
+        session = Session()
+        with SESSION.push(session):
+            jax.eval_shape(lambda a, k: self._run(*a, **k), args, kwargs)
+        if not session.order:
+            raise ValueError(
+                "`fun` has no matmul site (a `dot_general` without batch "
+                "dimensions, outside custom-derivative rules and `shard_map`): "
+                "there is nothing to plan."
+            )
+        self._sites, self._order = session.sites, session.order
+
+    def update(self, *args: Any, **kwargs: Any) -> Sensor:
+        """Measures one calibration batch (``fun(*args, **kwargs)``); returns
+        the sensor. The first call traces ``fun`` to find its sites; later
+        calls must have the same sites."""
+        if not self._order:
+            self._count(args, kwargs)
+        probes = tuple(jnp.zeros(WIDTH, _F32) for _ in self._order)
+        grads = self._step(probes, args, kwargs)
+        sums = np.stack([np.asarray(g, np.float64) for g in grads])
+        self._sums = sums if self._sums is None else self._sums + sums
+        self.batches += 1
+        return self
+
+    def _forget(self) -> Sensor:
+        """Drops the batches measured so far (the sites and the compiled pass
+        stay); returns the sensor."""
+        self._sums, self.batches = None, 0
+        return self
+
+    def stats(self) -> dict[str, dict[Any, dict[str, float]]]:
+        """The raw sums per site, per format (and ``"reference"``), per field,
+        averaged over the batches: ``linear`` is the first-order change of
+        the loss, ``sum(g * dy)``; see :data:`~jaxscale.precision._tap.FIELDS`."""
+        if self._sums is None:
+            raise ValueError("the sensor has measured no batch: call `update` first.")
+        mean = self._sums / self.batches
+        nf = len(FIELDS)
+        out = {}
+        for i, name in enumerate(self._order):
+            row: dict[Any, dict[str, float]] = {
+                f: dict(zip(FIELDS, mean[i, j * nf : (j + 1) * nf], strict=True))
+                for j, f in enumerate(PRECISION)
+            }
+            row["reference"] = dict(
+                zip(REFERENCE, mean[i, len(PRECISION) * nf :], strict=True)
+            )
+            out[name] = row
+        return out
+
+    def measures(self) -> tuple[SiteMeasure, ...]:
+        """One :class:`~jaxscale.precision.SiteMeasure` per site, in order."""
+        stats = self.stats()
+        fisher, grad, notes = {}, {}, {}
+        for name, row in stats.items():
+            ref = row["reference"]
+            for f in self.formats:
+                s = row[f]
+                fisher[name, f] = s["fisher"]
+                grad[name, f] = sum(
+                    s[k] / ref[k + "_ref"] for k in ("dx", "dw") if ref[k + "_ref"] > 0
+                )
+                notes[name, f] = _trouble(s, ref, f, self.dtype, self.loss_scale)
+        half = [n for n in stats if not notes[n, Format.HALF][0]]
+        big_f = math.fsum(fisher[n, Format.HALF] for n in half)
+        big_g = math.fsum(grad[n, Format.HALF] for n in half)
+        out = []
+        for name in self._order:
+            errors, words = {}, {}
+            for f in self.formats:
+                failed, note = notes[name, f]
+                e = (fisher[name, f] / big_f if big_f > 0 else 0.0) + (
+                    grad[name, f] / big_g if big_g > 0 else 0.0
+                )
+                errors[f] = math.inf if failed else e
+                if note:
+                    words[f] = note
+            mkn, nbytes, runs = self._sites[name]
+            out.append(SiteMeasure(name, mkn, nbytes, errors, words, runs))
+        return tuple(out)
+
+    def plan(
+        self,
+        *,
+        budget: float | str = "16-bit",
+        allowed: Iterable[Format] | None = None,
+        cost: DeviceCost | str | None = None,
+    ) -> Plan:
+        """:func:`~jaxscale.precision.solve` on :meth:`measures`; ``cost``
+        ``None`` is the device JAX runs on (the H100 SXM's figures for a kind
+        the speed model does not know, the CPU included)."""
+        if cost is None:
+            cost = current_device(None)[0]
+        return solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
+
+
+def _share(count: float, total: float) -> str:
+    return f"{100 * count / max(total, 1):.2g}%"
+
+
+def _trouble(s: dict, ref: dict, fmt: Format, dtype: np.dtype, scale: float):
+    """``(failed, note)`` for one site in one format. A format fails where its
+    forward range does (an output that overflows, an operand it cannot hold)
+    or where the gradient overflows its 16 bits unscaled; a gradient that
+    overflows only at the loss scale is noted (dynamic loss scaling lowers
+    the scale until it fits), not failed."""
+    name, words = dtype.name, []
+    if s["overflow"] > 0:
+        words.append(
+            f"{_share(s['overflow'], ref['outputs'])} of outputs overflow {name}"
+        )
+    if s["range"] > 0:
+        words.append(f"{_share(s['range'], ref['inputs'])} of operands beyond {name}")
+    if fmt is not Format.FLOAT32 and ref["grad_beyond"] > 0:
+        share = _share(ref["grad_beyond"], ref["outputs"])
+        words.append(f"{share} of the gradient beyond {name}, unscaled")
+    failed = bool(words)
+    if s["grad_overflow"] > 0 and not (
+        fmt is not Format.FLOAT32 and ref["grad_beyond"] > 0
+    ):
+        share = _share(s["grad_overflow"], ref["outputs"])
+        words.append(
+            f"{share} of the gradient overflows {name} at loss scale {number(scale)} "
+            "(dynamic loss scaling would skip steps and lower it)"
+        )
+    if s["flush"] > 0 and ref["grads"] > 0:
+        share = _share(s["flush"], ref["grads"])
+        words.append(f"{share} of the gradient flushes to zero in {name}")
+    return failed, "; ".join(words)
+
+
+def plan_precision(
+    fun: Callable[..., Any],
+    dtype: Any = jnp.bfloat16,
+    *,
+    budget: float | str = "16-bit",
+    allowed: Iterable[Format] | None = None,
+    cost: DeviceCost | str | None = None,
+    loss_scale: float = 1.0,
+    rules: Any = None,
+) -> Callable[..., Plan]:
+    """A precision plan for ``fun``, measured on one calibration batch.
+
+    ``jxs.plan_precision(loss, dtype)(*args)`` measures each matmul site of
+    ``loss`` in every format on ``args`` (:class:`~jaxscale.precision.Sensor`)
+    and returns the fastest :class:`~jaxscale.precision.Plan` within
+    ``budget`` (:func:`~jaxscale.precision.solve`); run it with
+    ``jxs.autocast(loss, dtype, plan=plan)``. For several batches, use a
+    :class:`~jaxscale.precision.Sensor` and its ``plan``.
+
+    Args:
+      fun: the loss function (returns a scalar), written in float32.
+      dtype: the 16-bit autocast dtype (bfloat16 or float16).
+      budget: the error budget: ``"16-bit"`` (default: the sum of the sites'
+        16-bit scores, no worse than the model in ``dtype``), or a number.
+      allowed: the formats a site may take (default: all five); only these
+        (and 16 bits, the budget's reference) are measured.
+      cost: a device kind (``"H100"``, ``"H200"``) or a ``DeviceCost``;
+        ``None``: the device JAX runs on.
+      loss_scale: the loss scale the model trains with.
+      rules: autocast ``rules`` the plan will run with.
+
+    Returns:
+      A function of ``fun``'s arguments that returns a ``Plan``.
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+      >>> p = {"w1": jax.random.normal(k1, (16, 32)),
+      ...      "w2": jax.random.normal(k2, (32, 4))}
+      >>> x = jax.random.normal(k3, (8, 16))
+      >>> plan = jxs.plan_precision(loss, jnp.bfloat16, cost="H100")(p, x)
+      >>> sorted(plan.formats())
+      ['(top level)', '(top level)#1']
+      >>> float(jxs.autocast(loss, jnp.bfloat16, plan=plan)(p, x)) != 0
+      True
+    """
+    if allowed is not None and isinstance(allowed, Iterable):
+        allowed = tuple(allowed)  # read twice: by the sensor and by the solver
+    sensor = Sensor(fun, dtype, loss_scale=loss_scale, rules=rules, formats=allowed)
+
+    def planner(*args: Any, **kwargs: Any) -> Plan:
+        sensor._forget()  # one batch per plan (the compiled step is kept)
+        return sensor.update(*args, **kwargs).plan(
+            budget=budget, allowed=allowed, cost=cost
+        )
+
+    return planner

@@ -43,13 +43,55 @@ import numpy as np
 
 from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
-from jaxscale.precision._measure import PRECISION, SiteMeasure, in_order, number
-from jaxscale.precision._plan import Plan, site_plan, solver_why
+from jaxscale.precision._measure import (
+    PRECISION,
+    SiteMeasure,
+    half_ratio,
+    in_order,
+    number,
+)
+from jaxscale.precision._plan import Plan, site_plan
 
 __all__ = ["feasible_time", "frontier", "half_error", "picoseconds", "solve"]
 
 _BUDGETS = ("16-bit", "bfloat16")  # the sum of the 16-bit errors
 _MARGIN = 1e-9  # the bounds' relative margin for float rounding
+
+
+def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+    """``float8 (0.71x, error 2.1e-3)``, with the sensor's note if it has one."""
+    ratio = half_ratio(m, fmt, cost)
+    note = f", {m.notes[fmt]}" if fmt in m.notes else ""
+    return f"{fmt.value} ({ratio:.2f}x, error {number(m.errors[fmt])}{note})"
+
+
+def _failing(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+    """``float8 (0.85x, amax beyond e4m3)``: a format whose range fails, with
+    the sensor's first reason."""
+    ratio = half_ratio(m, fmt, cost)
+    note = f", {m.notes[fmt].split('; ')[0]}" if fmt in m.notes else ""
+    return f"{fmt.value} ({ratio:.2f}x{note})"
+
+
+def solver_why(
+    m: SiteMeasure, fmt: Format, cost: DeviceCost, faster: list[Format]
+) -> str:
+    """Why the solver chose ``fmt`` at site ``m``; ``faster`` lists the allowed,
+    measured formats that were faster there (to the picosecond). Alone, each
+    finite one would have taken the plan over the budget: with it the plan
+    would be faster, so the solver would have taken it. Formats whose range
+    fails at the site are named, faster or not."""
+    why = f"{fmt.value}: {half_ratio(m, fmt, cost):.2f}x the 16-bit time, error "
+    why += f"{number(m.errors[fmt])} within the budget"
+    over = [_describe(m, f, cost) for f in faster if math.isfinite(m.errors[f])]
+    # Every format whose range fails here, faster or not: why it was not taken
+    # (the sensor's first reason; the rest is in the measure's notes).
+    fails = [_failing(m, f, cost) for f, e in m.errors.items() if math.isinf(e)]
+    if over:
+        why += f"; {' or '.join(over)} here would take the plan over it"
+    if fails:
+        why += f"; {' and '.join(fails)} fail{'s' if len(fails) == 1 else ''} here"
+    return why
 
 
 def _check_measures(measures: Any) -> tuple[SiteMeasure, ...]:

@@ -1,0 +1,160 @@
+"""Matmul sites under :func:`jaxscale.autocast`: which equations they are and
+their names, for the three stages that meet them (the sensor, a plan, the
+monitor).
+
+A *site* is a ``dot_general`` without batch dimensions whose two operands are
+floating, met while an autocast region is evaluated (outside custom-derivative
+rules and ``shard_map`` bodies, where a plan does not reach). Sites are named
+by their name stack (Flax module paths, ``jax.named_scope``; ``(top level)``
+where there is none); the second site of the same name stack is ``name#1``,
+the third ``name#2``, and so on, in the order the function meets them. A site
+in a ``scan`` body is one site, whatever the length (a scanned stack of layers
+shares one format). Calls (``jit``) are entered in place, so a layer called
+twice is two sites.
+
+:class:`SiteContext` (the extension of the rules that act on sites) counts
+them, across retraces of a loop's body; :class:`ProbeContext` also hands each
+site its probe (:mod:`jaxscale._probe`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale._probe import spread
+from jaxscale.internal import Extension, Loop, dot_sizes, dtype_of, is_castable
+
+__all__ = [
+    "TOP_LEVEL",
+    "ProbeContext",
+    "SiteContext",
+    "site_name",
+    "site_sizes",
+]
+
+TOP_LEVEL = "(top level)"
+
+
+def site_name(where: str, seen: Sequence[str]) -> str:
+    """The name of a site at name stack ``where``, after the sites ``seen``:
+    ``where`` (``(top level)`` if empty), then ``where#1``, ``where#2``..."""
+    base = where or TOP_LEVEL
+    k = sum(1 for s in seen if s == base or s.startswith(base + "#"))
+    return base if k == 0 else f"{base}#{k}"
+
+
+class _SiteLoop(Loop):
+    """:meth:`SiteContext.loop`: a ``scan`` whose body may be traced more than
+    once; the sites met in it are counted once. An extension that threads
+    per-site values (the sensor's probes) broadcasts them over the iterations."""
+
+    def __init__(self, ctx: SiteContext, length: int):
+        self.ctx, self.first, self.length = ctx, len(ctx.seen), length
+        self.xs = ctx.loop_inputs(self.first, length)
+
+    @contextlib.contextmanager
+    def body(self, extra: Sequence[Any]) -> Iterator[None]:
+        ctx = self.ctx
+        del ctx.seen[self.first :]
+        saved = ctx.enter_loop(self.first, extra)
+        ctx.loops.append(self.length)
+        try:
+            yield
+        finally:
+            ctx.loops.pop()
+            ctx.leave_loop(saved)
+
+
+class SiteContext(Extension):
+    """The sites met in one autocast evaluation, in order (``seen``), with
+    the choice made for the equation being evaluated (``choice``: the
+    equation, its site's name and its format)."""
+
+    inline_calls = True  # a call's sites are the caller's, met at each call
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.loops: list[int] = []  # the lengths of the scans around, outermost first
+        self.paused = 0
+        self.choice: tuple[Any, str, Any] | None = None
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def opaque(self) -> Any:
+        return self.suspended()
+
+    def loop(self, length: int) -> Loop:
+        return _SiteLoop(self, length)
+
+    def loop_inputs(self, first: int, length: int) -> tuple[Any, ...]:
+        """Per-iteration inputs of a loop entered after ``first`` sites."""
+        return ()
+
+    def enter_loop(self, first: int, extra: Sequence[Any]) -> Any:
+        return None
+
+    def leave_loop(self, saved: Any) -> None:
+        pass
+
+    def register(self, where: str) -> str:
+        name = site_name(where, self.seen)
+        self.seen.append(name)
+        return name
+
+
+class ProbeContext(SiteContext):
+    """A :class:`SiteContext` whose sites read *probes*: zero inputs, one per
+    site in the order met, whose cotangents carry what the site measured
+    (``session.probes``; ``None`` while only counting). In a ``scan`` body the
+    probes enter once per iteration; their cotangents combine over the
+    iterations by ``session.combine``: ``"sum"`` or ``"max"``."""
+
+    def __init__(self, session: Any):
+        super().__init__()
+        self.session = session
+
+    def loop_inputs(self, first, length):
+        probes = self.session.probes
+        if probes is None or first >= len(probes):
+            return ()
+        block = jnp.stack(probes[first:])
+        return (spread(block, length, self.session.combine),)
+
+    def enter_loop(self, first, extra):
+        saved = self.session.probes
+        if extra:
+            (block,) = extra
+            rows = [block[i] for i in range(block.shape[0])]
+            self.session.probes = [*saved[:first], *rows]
+        return saved
+
+    def leave_loop(self, saved):
+        self.session.probes = saved
+
+    def probe(self) -> Any:
+        """The probe of the site registered last, or ``None``."""
+        probes, index = self.session.probes, len(self.seen) - 1
+        return None if probes is None or index >= len(probes) else probes[index]
+
+
+def site_sizes(eqn: Any, vals: Sequence[Any]) -> tuple[int, int, int] | None:
+    """``(m, k, n)`` if ``eqn`` on ``vals`` is a site, else ``None``."""
+    if (
+        eqn.primitive.name != "dot_general"
+        or len(vals) != 2
+        or not all(is_castable(dtype_of(v)) for v in vals)
+    ):
+        return None
+    mkn = dot_sizes(eqn.params, np.shape(vals[0]), np.shape(vals[1]))
+    return None if mkn is None or min(mkn) < 1 else mkn
