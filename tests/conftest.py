@@ -10,8 +10,8 @@
 * Every test has exactly one tier marker (``unit``, ``core`` or ``integration``,
   see ``[tool.pytest.ini_options]`` in pyproject.toml); collection fails
   otherwise. Doctests of ``jaxscale/`` are ``unit``. ``pytest -m unit`` is the
-  edit-test loop; ``.ci/floors`` runs ``-m "not pinned"``, ``.ci/ceiling``
-  ``-m "unit or core or construct"``. A ``pinned`` test must be ``integration``
+  edit-test loop; ``.ci/floors`` and ``.ci/ceiling`` run
+  ``-m "unit or core or construct or libraries"``. A ``pinned`` test must be ``integration``
   and not ``construct`` (collection fails otherwise).
 
 Shared helper functions live in ``helpers.py``; fixtures live here.
@@ -111,9 +111,11 @@ def pytest_make_collect_report(collector):
             if len(tiers) != 1:
                 wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier'}")
             elif "pinned" in names and (
-                tiers[0] != "integration" or "construct" in names
+                tiers[0] != "integration" or names & {"construct", "libraries"}
             ):
-                wrong.append(f"  {item.nodeid}: pinned, but {tiers[0]} or construct")
+                wrong.append(
+                    f"  {item.nodeid}: pinned, but {tiers[0]}, construct or libraries"
+                )
     if wrong:
         report.outcome, report.result = "failed", []
         report.longrepr = (
@@ -124,7 +126,8 @@ def pytest_make_collect_report(collector):
             "pytest.mark.unit`) with exactly one of "
             + ", ".join(f"`{t}`" for t in TIERS)
             + "; pyproject.toml [tool.pytest.ini_options] says which is which. A "
-            "`pinned` test (one XLA's figures) is `integration` and not `construct`, "
+            "`pinned` test (one XLA's figures) is `integration`, not `construct` and "
+            "not `libraries`, "
             "so that the floors and the ceiling leave it out."
         )
     return report

@@ -45,7 +45,7 @@ from jax.interpreters import mlir
 
 import jaxscale as jxs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.libraries]
 
 nn = pytest.importorskip("flax.linen")
 eqx = pytest.importorskip("equinox")

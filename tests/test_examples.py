@@ -101,6 +101,10 @@ def test_there_are_examples():
 # Arguments beyond --steps 30, by file name (a smaller model where the default
 # would take minutes).
 ARGS = {
+    "char_transformer.py": [
+        *("--layers", "1", "--context", "32", "--dim", "32", "--heads", "2"),
+        *("--accumulate", "2", "--eval-every", "30", "--eval-batches", "2"),
+    ],
     "padded_lm.py": [
         *("--runs", "fp32,fp16-autocast", "--context", "16", "--dim", "16"),
         *("--layers", "1", "--heads", "2", "--mlp-dim", "32", "--batch", "4"),

@@ -9,7 +9,7 @@ import pytest
 
 import jaxscale as jxs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.libraries]
 
 nnx = pytest.importorskip("flax.nnx")
 jxf = pytest.importorskip("jaxscale.flax")

@@ -109,13 +109,16 @@ def test_minus_m_skips_a_file_only_when_no_test_in_it_can_match(
 def test_the_tiers_are_registered_markers():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
     registered = {m.split(":")[0] for m in ini["ini_options"]["markers"]}
-    assert set(TIERS) | {"isa", "slow", "pinned", "construct"} <= registered
+    assert set(TIERS) | {"isa", "slow", "pinned", "construct", "libraries"} <= registered
     assert "--strict-markers" in ini["ini_options"]["addopts"]
 
 
 @pytest.mark.parametrize(
     "leg, selection",
-    [("floors", '-m "not pinned"'), ("ceiling", '-m "unit or core or construct"')],
+    [
+        ("floors", '-m "unit or core or construct or libraries"'),
+        ("ceiling", '-m "unit or core or construct or libraries"'),
+    ],
 )
 def test_floors_select_by_marker_not_by_file_or_test_name(leg, selection):
     script = (ROOT / ".ci" / leg).read_text()
