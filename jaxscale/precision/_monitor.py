@@ -76,7 +76,7 @@ class Watch(NamedTuple):
 Watch.COMBINE = dict.fromkeys(Watch._fields, "max")
 FIELDS = Watch._fields
 _K = len(FIELDS)
-_AMAX = [FIELDS.index(f) for f in ("x_amax", "w_amax", "y_amax")]  # drift's columns
+_AMAX = tuple(FIELDS.index(f) for f in ("x_amax", "w_amax", "y_amax"))  # drift
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
 _TINY_E4M3 = 2.0**-10  # half e4m3fn's smallest subnormal: rounds to zero
 
@@ -127,7 +127,7 @@ class MonitorState:
     def drift(self) -> jax.Array:
         """``f32[n, 3]``: the last step's largest magnitudes of the operands
         and output over the first step's (1 until measured)."""
-        now = self.last[:, _AMAX]
+        now = self.last[:, list(_AMAX)]
         return jnp.where(self.calibration > 0, now / self.calibration, 1.0)
 
 
@@ -391,7 +391,7 @@ class Monitor:
             events=state.events + bad.astype(jnp.int32),
             last=seen,
             peak=jnp.maximum(state.peak, seen),
-            calibration=jnp.where(first, seen[:, _AMAX], state.calibration),
+            calibration=jnp.where(first, seen[:, list(_AMAX)], state.calibration),
         )
 
     # ------------------------------------------------------------ on the host
