@@ -66,7 +66,7 @@ for path in (HERE.parent, HERE):  # jaxscale from this checkout; gpu.py beside
 import gpu  # noqa: E402 (after the path)
 
 import jaxscale as jxs  # noqa: E402
-from jaxscale.float8._check import summarize  # noqa: E402 (one compile per step)
+import jaxscale.internal as jxi  # noqa: E402
 
 BF16 = jnp.bfloat16
 VARIANTS = ("bfloat16", "float8 chosen", "float8 current", "float8 rowwise")
@@ -177,7 +177,7 @@ def compile_all(
         compiled[name] = lowered.compile()
         secs[name] = time.perf_counter() - t0
         hlo = compiled[name].as_text() if jax.default_backend() == "gpu" else None
-        reports[name] = summarize(lowered.as_text(), hlo, jax.default_backend())
+        reports[name] = jxi.gemm_summary(lowered.as_text(), hlo, jax.default_backend())
         check = f"; {reports[name]}" if name != "bfloat16" else ""  # no float8
         gpu.log(f"{label}: {name}: compiled in {secs[name]:.1f}s{check}")
     return compiled, secs, reports

@@ -13,8 +13,9 @@ picks some):
 4. ``fp8``: every matmul site in float8,
    ``float8=jxs.float8.CurrentScaling(min_dim=0)``;
 5. ``torchao``: torchao's shape rule for tensorwise float8: a site stays
-   bfloat16 where K <= 4096 and N <= 1024, float8 elsewhere (a
-   ``PlanRule`` built from the site shapes the sensor reports);
+   bfloat16 where K <= 4096 and N <= 1024, float8 elsewhere (a plan,
+   ``jxs.precision.Plan.from_formats``, of the site shapes the sensor
+   reports);
 6. ``fp8-ends``: the first and the last matmul site in bfloat16, float8
    elsewhere;
 7. ``fp8-auto``: ``float8=True``, jaxscale's speed-only default
@@ -37,9 +38,10 @@ mean, the paired gaps to fp32 and to bf16 (same seed), whether it is within
 twice the bf16 seeds' spread of fp32 (``|paired mean gap to fp32| <= 2 sd``,
 the sd of the bf16 runs over the seeds, as ``float8_char.py``'s ``SPREAD``),
 and the speed model's predicted time of a step's matmuls in the row's formats
-over the same in 16 bits, for an H100 and an H200 (``jaxscale._speed``, at
-the model's own shapes). On a CPU float8 is emulated: the losses are the
-point, not the wall clock. ``--json PATH`` writes every number.
+over the same in 16 bits, for an H100 and an H200 (the speed model,
+``SiteMeasure.seconds``, at the model's own shapes). On a CPU float8 is
+emulated: the losses are the point, not the wall clock. ``--json PATH``
+writes every number.
 
 Run it (width 64, about 25 minutes on a 2-core CPU)::
 
@@ -64,10 +66,10 @@ import optax
 from flax import nnx
 
 import jaxscale as jxs
-from jaxscale._cost import current_device, device_cost
-from jaxscale._speed import Format, site_seconds
-from jaxscale.float8._choice import choose
-from jaxscale.precision._apply import PlanRule
+import jaxscale.internal as jxi
+import jaxscale.precision
+
+Format = jxs.precision.Format
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import float8_char as f8  # noqa: E402
@@ -88,7 +90,7 @@ ROWS = (
     "keep-low2",
     "keep-rand2",
 )
-# Rows that run through a PlanRule built per seed from the sensor's sites.
+# Rows that run through a plan built per seed from the sensor's sites.
 PLANNED = ("torchao", "fp8-ends", "plan", *(r for r in ROWS if r.startswith("keep")))
 OUTPUT_OPTIONS = ("json",)
 DEVICES = ("H100", "H200")
@@ -126,8 +128,13 @@ def auto_formats(measures) -> dict[str, Format]:
     recipe = jxs.float8.CurrentScaling()
     out = {}
     for m in measures:
-        c = choose(
-            recipe, m.site, m.shape, m.operand_bytes, lambda: current_device(None), ""
+        c = jxi.float8_choice(
+            recipe,
+            m.site,
+            m.shape,
+            m.operand_bytes,
+            lambda: jxi.current_device(None),
+            "",
         )
         out[m.site] = Format.FLOAT8 if c.float8 else Format.HALF
     return out
@@ -180,22 +187,25 @@ def ranking(measures) -> list[tuple[str, float]]:
 
 def speed_ratio(formats: dict[str, Format], measures, kind: str) -> float:
     """The speed model's time of the sites in ``formats`` over all in 16 bits."""
-    cost = device_cost(kind)[0]
+    cost = jxi.device_cost(kind)[0]
     t = h = 0.0
-    for m in measures:
-        t += site_seconds(formats[m.site], *m.shape, *m.operand_bytes, cost)
-        h += site_seconds(Format.HALF, *m.shape, *m.operand_bytes, cost)
+    for m in measures:  # one run of each site (a step's runs not counted)
+        t += m.seconds(formats[m.site], cost) / m.runs
+        h += m.seconds(Format.HALF, cost) / m.runs
     return t / h
 
 
-def objective(name: str, loss_fn, formats: dict[str, Format] | None):
+def objective(name: str, loss_fn, formats: dict[str, Format] | None, measures=()):
     """Row ``name``'s loss of ``(params, x, y)``."""
     if name == "fp32":
         return loss_fn
     if name == "fp16":
         return jxs.autocast(loss_fn, jnp.float16)
     if name in PLANNED:
-        return jxs.autocast(loss_fn, jnp.bfloat16, plan=PlanRule(formats, name))
+        plan = jxs.precision.Plan.from_formats(
+            formats, measures, cost="H100", why=f"row {name}"
+        )
+        return jxs.autocast(loss_fn, jnp.bfloat16, plan=plan)
     recipe = {
         "bf16": None,
         "fp8": jxs.float8.CurrentScaling(min_dim=0),
@@ -386,11 +396,12 @@ def main(argv: list[str] | None = None) -> None:
 
     cache: dict[Any, tuple] = {}  # one compilation per row and formats
 
-    def fns_of(name: str, formats: dict[str, Format]) -> tuple:
+    def fns_of(name: str, formats: dict[str, Format], measures=()) -> tuple:
         # PLANNED rows with the same formats are one program.
         key = ("planned", tuple(formats.items())) if name in PLANNED else name
         if key not in cache:
-            cache[key] = compiled(objective(name, loss32, formats), cfg, name == "fp16")
+            loss = objective(name, loss32, formats, measures)
+            cache[key] = compiled(loss, cfg, name == "fp16")
         return cache[key]
 
     eval32 = fns_of("fp32", {})[3]
@@ -444,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in cfg.rows:
             fm = formats[name]
             ratios[name, seed] = {k: speed_ratio(fm, measures, k) for k in DEVICES}
-            r = f8.train(name, seed, fns_of(name, fm), eval32, data, val, cfg)
+            r = f8.train(name, seed, fns_of(name, fm, measures), eval32, data, val, cfg)
             expected = sum(f is Format.FLOAT8 for f in fm.values())
             if name != "fp32" and r["float8_sites"] != expected:
                 print(

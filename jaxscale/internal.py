@@ -15,7 +15,12 @@ needs is in ``jaxscale``, ``jaxscale.float8``, ``jaxscale.precision`` and
   :func:`dtype_of`, :func:`is_castable`, :func:`check_dtype`, :func:`autocast`;
 - float8's matmul: :func:`float8_dot` (one site's float8 product),
   :func:`dot_sizes` (``(m, k, n)`` of a ``dot_general`` without batch
-  dimensions).
+  dimensions); its choice: :func:`float8_choice` (whether a recipe puts a site
+  in float8, and why: its ``sites`` patterns, ``min_dim``, the cost model);
+  :func:`gemm_summary` (:func:`jaxscale.float8.gemm_report` from the text of
+  a lowered and a compiled program);
+- the cost model's figures: :func:`device_cost` (a device kind's
+  ``DeviceCost``), :func:`current_device` (those of the device JAX runs on).
 
 Examples:
     >>> import jaxscale as jxs
@@ -36,6 +41,10 @@ from jaxscale._autocast.interp import Loop as Loop
 from jaxscale._autocast.rules import AutocastRule as AutocastRule
 from jaxscale._autocast.values import dtype_of as dtype_of
 from jaxscale._autocast.values import is_castable as is_castable
+from jaxscale._cost import current_device as current_device
+from jaxscale._cost import device_cost as device_cost
+from jaxscale.float8._check import summarize as gemm_summary
+from jaxscale.float8._choice import choose as float8_choice
 from jaxscale.float8._site import float8_dot as float8_dot
 from jaxscale.float8._site import sizes as dot_sizes
 
@@ -47,9 +56,13 @@ __all__ = [
     "RULE_CLASSES",
     "autocast",
     "check_dtype",
+    "current_device",
+    "device_cost",
     "dot_sizes",
     "dtype_of",
+    "float8_choice",
     "float8_dot",
+    "gemm_summary",
     "is_castable",
     "scaled_in_float32",
     "wide_product",

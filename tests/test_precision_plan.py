@@ -5,14 +5,11 @@ plain Pareto dynamic programme (no bounds) on larger ones; the plan's text, JSON
 edits and errors are checked as a user meets them.
 """
 
-import contextlib
-import io
 import itertools
 import json
 import math
 import random
 import re
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +23,6 @@ pytestmark = [pytest.mark.unit]
 F = jxp.Format
 PRECISION = (F.FLOAT32, F.HALF_WIDE, F.HALF, F.FLOAT8_ROWWISE, F.FLOAT8)
 H100, _ = device_cost("H100")
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # Shapes where float8 pays and where it does not (on the H100's figures).
 BIG = (16384, 4096, 28672)  # float8 0.82x the 16-bit time
@@ -684,19 +680,6 @@ def test_bad_solve_arguments_raise_naming_the_argument(kwargs, error, match):
     measures = args.pop("measures")
     with pytest.raises(error, match=match):
         jxp.solve(measures, **args)
-
-
-def test_the_guide_runs_and_prints_its_plan():
-    """docs/precision.md: its ``python`` blocks run in order as one file, and
-    print what its ``text`` blocks show."""
-    text = (DOCS / "precision.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
-    shown = re.findall(r"^```text\n(.*?)^```", text, re.M | re.S)
-    assert blocks and shown
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile("\n".join(blocks), "docs/precision.md", "exec"), {})
-    assert out.getvalue() == "".join(shown)
 
 
 def test_a_site_run_several_times_a_step_costs_as_many_runs():

@@ -67,6 +67,14 @@ def mlp_params():
     }
 
 
+@pytest.fixture(scope="module")
+def mlp_sensor():
+    """One bfloat16 sensor of ``mlp`` on one batch, which the tests below only
+    read (one compile for all of them): ``plan_precision(mlp, jnp.bfloat16,
+    ...)(p, x)`` is its ``plan(...)``."""
+    return jxp.Sensor(mlp, jnp.bfloat16).update(mlp_params(), normal(9, (8, 16)))
+
+
 def only(names, site, fmt):
     """A plan with ``site`` in ``fmt`` and every other site in float32."""
     return PlanRule({n: (fmt if n == site else F.FLOAT32) for n in names})
@@ -99,9 +107,9 @@ def test_the_first_order_estimate_matches_lowering_the_site_alone(dtype):
             assert stats[name][F.FLOAT32]["linear"] == 0.0  # default is HIGHEST here
 
 
-def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact():
+def test_float8_errors_exceed_16_bit_ones_and_float32_is_exact(mlp_sensor):
     p, x = mlp_params(), normal(9, (8, 16))
-    measures = jxp.Sensor(mlp, jnp.bfloat16).update(p, x).measures()
+    measures = mlp_sensor.measures()
     # float32 is exact at "highest" (a GPU's default float32 matmul is TF32-like).
     # Only float32's row is read there: under "highest" XLA:GPU computes the
     # float8 products in float32 (their errors fell 70-fold on an H200).
@@ -359,9 +367,9 @@ def test_each_format_runs_as_its_own_rule_would(dtype):
     assert float(wide) == pytest.approx(float(hand), rel=1e-5)
 
 
-def test_a_plan_round_trips_through_json_and_applies_the_same():
+def test_a_plan_round_trips_through_json_and_applies_the_same(mlp_sensor):
     p, x = mlp_params(), normal(9, (8, 16))
-    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100", budget=math.inf)(p, x)
+    plan = mlp_sensor.plan(cost="H100", budget=math.inf)
     again = jxp.Plan.from_json(plan.to_json())
     a = jax.jit(jxs.autocast(mlp, jnp.bfloat16, plan=plan))(p, x)
     b = jax.jit(jxs.autocast(mlp, jnp.bfloat16, plan=again))(p, x)
@@ -369,9 +377,9 @@ def test_a_plan_round_trips_through_json_and_applies_the_same():
     assert hash(plan.autocast_rule()) == hash(again.autocast_rule())
 
 
-def test_a_plan_for_another_function_is_refused():
+def test_a_plan_for_another_function_is_refused(mlp_sensor):
     p, x = mlp_params(), normal(9, (8, 16))
-    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, x)
+    plan = mlp_sensor.plan(cost="H100")
 
     def deeper(p, x):
         return mlp(p, x) + jnp.mean(x @ p["w1"])
@@ -386,9 +394,9 @@ def test_a_plan_for_another_function_is_refused():
         jxs.autocast(shallower, jnp.bfloat16, plan=plan)(p, x)
 
 
-def test_wrong_arguments_are_refused_with_what_to_do():
+def test_wrong_arguments_are_refused_with_what_to_do(mlp_sensor):
     p, x = mlp_params(), normal(9, (8, 16))
-    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, x)
+    plan = mlp_sensor.plan(cost="H100")
     with pytest.raises(ValueError, match="pass one of them"):
         jxs.autocast(mlp, jnp.bfloat16, plan=plan, float8=True)
     with pytest.raises(ValueError, match="16-bit autocast `dtype`"):

@@ -9,11 +9,13 @@ unchanged and, as the tap's cotangent, a row of statistics of it. The gradient
 with respect to the taps is the report: no side effects, no host callbacks, and
 it composes with ``jit``, ``vmap``, ``lax.scan`` and ``jax.checkpoint``.
 
-A gradient adds up the contributions of every use of an input, so a tap read
-several times at run time (a probe inside ``lax.scan``, or under ``vmap``) gets
-the *sum* of its rows. Every field is therefore a sum (counts), except the
-largest magnitude, carried as a one-hot over the top bits of its float32 bit
-pattern, so that the highest set bin bounds the maximum over all the calls.
+The tap is a probe of kind :class:`_Tap` (:mod:`jaxscale._probe`), fields by
+name. A gradient adds up the contributions of every use of an input, so a tap
+read several times at run time (a probe inside the user's ``lax.scan``, or
+under ``vmap``) gets the *sum* of its statistics: every field declares
+``"sum"``. The largest magnitude is therefore also carried as a one-hot over
+the top bits of its float32 bit pattern (``max_bins``), so that the highest set
+bin bounds the maximum over all the calls.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxscale import _nnx
 from jaxscale._loss_scale import scale_tree
+from jaxscale._probe import zeros
 from jaxscale._scope import Scope
 from jaxscale._tree import is_float_leaf
 from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
@@ -39,12 +42,27 @@ from jaxscale.diagnostics._underflow import cast_masks, half_dtype, scale_value
 __all__ = ["CotangentStats", "cotangent_probe", "cotangent_report", "cotangent_table"]
 
 _F32 = jnp.float32
-# Row layout: 8 sums, then the one-hot of the maximum's top 12 bits (8 exponent
-# bits and 4 mantissa bits of a non-negative float32).
-_CALLS, _SIZE, _ZERO, _FLUSH, _SUB, _OVER, _NONFINITE, _MAX = range(8)
+# The maximum's bins: the top 12 bits (8 exponent bits and 4 mantissa bits) of
+# a non-negative float32.
 _SHIFT = 19
 _NBINS = 1 << (31 - _SHIFT)
-_WIDTH = 8 + _NBINS
+
+
+class _Tap(NamedTuple):
+    """A probe site's statistics of its cotangent, summed over its calls."""
+
+    calls: Any  # f32[]: backward runs
+    size: Any  # f32[]: cotangent elements
+    zero: Any  # f32[]: exactly zero
+    flush: Any  # f32[]: flush to zero in the dtype
+    subnormal: Any  # f32[]: subnormal in the dtype
+    overflow: Any  # f32[]: overflow in the dtype
+    nonfinite: Any  # f32[]: inf or NaN
+    max_abs: Any  # f32[]: the largest finite magnitude (exact for one call)
+    max_bins: Any  # f32[_NBINS]: its one-hot bin, see the module docstring
+
+
+_Tap.COMBINE = dict.fromkeys(_Tap._fields, "sum")
 
 
 class CotangentStats(NamedTuple):
@@ -143,8 +161,8 @@ def _run(recorder: _Recorder, fun: Callable[..., Any], *args: Any, **kw: Any) ->
 # --------------------------------------------------------------------------- #
 
 
-def _row(gs: list[jax.Array], dt: np.dtype) -> jax.Array:
-    """One call's statistics of the cotangent leaves ``gs`` as an ``f32[_WIDTH]``."""
+def _row(gs: list[jax.Array], dt: np.dtype) -> _Tap:
+    """One call's statistics of the cotangent leaves ``gs``."""
     counts = [jnp.zeros((), jnp.int32) for _ in range(5)]
     mx = jnp.zeros((), _F32)
     for g in gs:
@@ -156,15 +174,17 @@ def _row(gs: list[jax.Array], dt: np.dtype) -> jax.Array:
         for i, m in enumerate(masks):
             counts[i] = counts[i] + jnp.sum(m, dtype=jnp.int32)
         mx = jnp.maximum(mx, jnp.max(jnp.where(finite, jnp.abs(gf), 0)))
-    size = jnp.float32(sum(g.size for g in gs))
-    sums = [jnp.ones((), _F32), size, *(c.astype(_F32) for c in counts), mx]
     top = lax.bitcast_convert_type(mx, jnp.uint32) >> _SHIFT
     onehot = (jnp.arange(_NBINS, dtype=jnp.uint32) == top) & (mx > 0)
-    return jnp.concatenate([jnp.stack(sums), onehot.astype(_F32)])
+    size = jnp.float32(sum(g.size for g in gs))
+    # Stacked, then named: under ``vmap`` the constant fields (``calls``,
+    # ``size``) are then batched like the others and summed over the examples.
+    scalars = jnp.stack([jnp.ones((), _F32), size, *(c.astype(_F32) for c in counts)])
+    return _Tap(*scalars, max_abs=mx, max_bins=onehot.astype(_F32))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _probe(dt: np.dtype, leaves: list[jax.Array], tap: jax.Array) -> list[jax.Array]:
+def _probe(dt: np.dtype, leaves: list[jax.Array], tap: _Tap) -> list[jax.Array]:
     del dt, tap
     return leaves
 
@@ -272,7 +292,9 @@ def cotangent_probe(
     if index is not None:  # an out-of-range index writes to the extra last row
         index = jnp.asarray(index)
         index = jnp.where((index >= 0) & (index < size), index, size)
-        tap = lax.dynamic_index_in_dim(tap, index, keepdims=False)
+        tap = jax.tree.map(
+            lambda t: lax.dynamic_index_in_dim(t, index, keepdims=False), tap
+        )
     out = _probe(rec.dtype, [jnp.asarray(leaves[i]) for i in floats], tap)
     for i, v in zip(floats, out, strict=True):
         leaves[i] = v
@@ -293,32 +315,34 @@ _RETRACE = (
 # --------------------------------------------------------------------------- #
 
 
-def _max_of(row: jax.Array) -> jax.Array:
-    """The largest magnitude of a row: exact after one call, else the bin edge."""
-    bins = row[8:] > 0
+def _max_of(row: _Tap) -> jax.Array:
+    """The largest magnitude of a tap: exact after one call, else the bin edge."""
+    bins = row.max_bins > 0
     top = _NBINS - 1 - jnp.argmax(bins[::-1]).astype(jnp.uint32)
     edge = lax.bitcast_convert_type((top + 1) << _SHIFT, _F32)
     edge = jnp.minimum(edge, jnp.finfo(_F32).max)
     rounded = jnp.where(jnp.any(bins), edge, 0)
-    return jnp.where(row[_CALLS] <= 1, row[_MAX], rounded)
+    return jnp.where(row.calls <= 1, row.max_abs, rounded)
 
 
-def _stats(rows: list[jax.Array], scale: jax.Array, dt: np.dtype) -> CotangentStats:
-    total = sum(rows[1:], rows[0])
+def _stats(rows: list[_Tap], scale: jax.Array, dt: np.dtype) -> CotangentStats:
+    total = rows[0]
+    for r in rows[1:]:
+        total = jax.tree.map(jnp.add, total, r)
     max_abs = jnp.max(jnp.stack([_max_of(r) for r in rows]))
-    denom = jnp.maximum(total[_SIZE], 1)
+    denom = jnp.maximum(total.size, 1)
     big = float(jnp.finfo(dt).max)
     safe = jnp.where(max_abs > 0, max_abs, 1)
     headroom = jnp.where(max_abs > 0, jnp.log2(_F32(big)) - jnp.log2(safe), jnp.inf)
     return CotangentStats(
         loss_scale=scale,
-        size=total[_SIZE],
-        calls=total[_CALLS],
-        zero_fraction=total[_ZERO] / denom,
-        flush_fraction=total[_FLUSH] / denom,
-        subnormal_fraction=total[_SUB] / denom,
-        overflow_fraction=total[_OVER] / denom,
-        nonfinite_fraction=total[_NONFINITE] / denom,
+        size=total.size,
+        calls=total.calls,
+        zero_fraction=total.zero / denom,
+        flush_fraction=total.flush / denom,
+        subnormal_fraction=total.subnormal / denom,
+        overflow_fraction=total.overflow / denom,
+        nonfinite_fraction=total.nonfinite / denom,
         max_abs=max_abs,
         headroom_log2=headroom.astype(_F32),
     )
@@ -386,7 +410,7 @@ def as_pure(
 
 
 def _finish(
-    rows: list[jax.Array],
+    rows: list[_Tap],
     sites: list[tuple[str, int | None]],
     scale: jax.Array,
     dt: np.dtype,
@@ -398,9 +422,10 @@ def _finish(
         if size is None:
             out[name] = _stats([rows[k] for k in calls], scale, dt)
             continue
-        bad = sum(rows[k][size, _CALLS] for k in calls) > 0
+        bad = sum(rows[k].calls[size] for k in calls) > 0
         for i in range(size):
-            stats = _stats([rows[k][i] for k in calls], scale, dt)
+            row = [jax.tree.map(lambda t, i=i: t[i], rows[k]) for k in calls]
+            stats = _stats(row, scale, dt)
             out[f"{name}[{i}]"] = stats._replace(
                 **{
                     f: jnp.where(bad, jnp.nan, v)
@@ -504,7 +529,7 @@ def cotangent_report(
         _layout(finder.sites)  # name errors before anything is compiled
 
         def run(arrays: list[Any], scale: jax.Array) -> dict[str, CotangentStats]:
-            def taps_loss(taps: list[jax.Array]) -> jax.Array:
+            def taps_loss(taps: list[_Tap]) -> jax.Array:
                 rec = _Recorder(dt, taps)
                 loss = _run(rec, pure, arrays, scale)
                 if rec.sites != finder.sites:
@@ -512,7 +537,7 @@ def cotangent_report(
                 return loss
 
             taps = [
-                jnp.zeros((_WIDTH,) if n is None else (n + 1, _WIDTH), _F32)
+                zeros(_Tap, () if n is None else (n + 1,), max_bins=(_NBINS,))
                 for _, n in finder.sites
             ]
             return _finish(jax.grad(taps_loss)(taps), finder.sites, scale, dt)

@@ -4,9 +4,9 @@ the host between steps (:class:`Monitor`).
 Each site of the plan runs in its format, as under ``jxs.autocast(f, dtype,
 plan=plan)``, and its output passes through a *watch*: an identity whose
 forward measures the site's operands and output and whose backward measures
-the incoming gradient, and which returns both as the cotangent of a zero probe
-(:class:`~jaxscale.precision._sites.ProbeContext`: in a ``scan``, the maximum
-over the iterations). The step gets them with its gradients, as arrays: no
+the incoming gradient, and which returns both as the cotangent of a zero probe,
+a :class:`Watch` (:mod:`jaxscale._probe`; in a ``scan``, every field the
+maximum over the iterations). The step gets them with its gradients, as arrays: no
 host synchronisation. :meth:`Monitor.update` folds them into a
 :class:`MonitorState` (counters per site); :meth:`Monitor.replan`, on the host
 at the user's cadence, raises a site one format after ``patience`` troubled
@@ -19,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._grad import value_and_grad as scaled
+from jaxscale._probe import zeros
 from jaxscale._speed import Format
 from jaxscale.internal import autocast, check_dtype
 from jaxscale.precision._apply import PlanRule
@@ -35,27 +35,48 @@ from jaxscale.precision._plan import Plan
 from jaxscale.precision._sites import ProbeContext, SiteContext
 from jaxscale.precision._tap import SESSION, Session
 
-__all__ = ["FIELDS", "Monitor", "MonitorState"]
+__all__ = ["FIELDS", "Monitor", "MonitorState", "Watch"]
 
 _F32 = np.dtype("float32")
-# What the watch measures per site and step (the maximum over a loop's
-# iterations): the output's non-finite elements where its operands are finite;
-# the operands' and output's largest magnitude; float8's share of the operands'
-# nonzero elements that flush to zero when scaled per tensor (an upper bound
-# for rowwise scaling); the incoming gradient's non-finite elements, its share
-# of zeros, and its largest magnitude.
-FIELDS = (
-    "overflow",
-    "x_amax",
-    "w_amax",
-    "y_amax",
-    "float8_flush",
-    "grad_nonfinite",
-    "grad_zeros",
-    "grad_amax",
-)
+
+
+class Watch(NamedTuple):
+    """What the watch measures per site and step, ``f32[]`` each (the
+    maximum over a loop's iterations); a step's measurements ``seen`` and
+    :class:`MonitorState`'s ``last`` and ``peak`` hold them as columns, in
+    this order (:data:`FIELDS`).
+
+    Attributes:
+      overflow: the output's non-finite elements where its operands are finite.
+      x_amax: the first operand's largest magnitude.
+      w_amax: the second operand's largest magnitude.
+      y_amax: the output's largest magnitude.
+      float8_flush: float8's share of the operands' nonzero elements that
+        flush to zero when scaled per tensor (an upper bound for rowwise).
+      grad_nonfinite: the incoming gradient's non-finite elements.
+      grad_zeros: its share of zeros.
+      grad_amax: its largest magnitude.
+    """
+
+    overflow: Any
+    x_amax: Any
+    w_amax: Any
+    y_amax: Any
+    float8_flush: Any
+    grad_nonfinite: Any
+    grad_zeros: Any
+    grad_amax: Any
+
+    @classmethod
+    def columns(cls, rows: Any) -> Watch:
+        """The named columns of ``rows`` (``f32[n, len(FIELDS)]``)."""
+        return cls(*(rows[:, i] for i in range(len(cls._fields))))
+
+
+Watch.COMBINE = dict.fromkeys(Watch._fields, "max")
+FIELDS = Watch._fields
 _K = len(FIELDS)
-_FIELD = MappingProxyType({f: i for i, f in enumerate(FIELDS)})
+_AMAX = tuple(FIELDS.index(f) for f in ("x_amax", "w_amax", "y_amax"))  # drift
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
 _TINY_E4M3 = 2.0**-10  # half e4m3fn's smallest subnormal: rounds to zero
 
@@ -106,7 +127,7 @@ class MonitorState:
     def drift(self) -> jax.Array:
         """``f32[n, 3]``: the last step's largest magnitudes of the operands
         and output over the first step's (1 until measured)."""
-        now = self.last[:, 1:4]
+        now = self.last[:, list(_AMAX)]
         return jnp.where(self.calibration > 0, now / self.calibration, 1.0)
 
 
@@ -135,9 +156,13 @@ def _watch(x_aval: Any, w_aval: Any):
 
     def forward(y, x, w):
         finite_in = jnp.all(jnp.isfinite(x)) & jnp.all(jnp.isfinite(w))
-        overflow = jnp.where(finite_in, _count(~jnp.isfinite(y)), 0.0)
-        flush = jnp.maximum(_float8_flush(x), _float8_flush(w))
-        return [overflow, _amax(x), _amax(w), _amax(y), flush]
+        return dict(
+            overflow=jnp.where(finite_in, _count(~jnp.isfinite(y)), 0.0),
+            x_amax=_amax(x),
+            w_amax=_amax(w),
+            y_amax=_amax(y),
+            float8_flush=jnp.maximum(_float8_flush(x), _float8_flush(w)),
+        )
 
     @jax.custom_vjp
     def watch(y, x, w, probe):
@@ -145,16 +170,20 @@ def _watch(x_aval: Any, w_aval: Any):
 
     def fwd(y, x, w, probe):
         x, w = jax.lax.stop_gradient(x), jax.lax.stop_gradient(w)
-        return y, tuple(forward(y, x, w))
+        return y, forward(y, x, w)
 
     def bwd(res, g):
-        stats = list(res)
         zx = jnp.zeros(x_aval.shape, x_aval.dtype)
         zw = jnp.zeros(w_aval.shape, w_aval.dtype)
         g32 = g.astype(_F32)
         n = max(g.size, 1)
-        stats += [_count(~jnp.isfinite(g32)), _count(g32 == 0) / n, _amax(g32)]
-        return g, zx, zw, jnp.stack([jnp.asarray(s, _F32) for s in stats])
+        stats = Watch(
+            **res,
+            grad_nonfinite=_count(~jnp.isfinite(g32)),
+            grad_zeros=_count(g32 == 0) / n,
+            grad_amax=_amax(g32),
+        )
+        return g, zx, zw, jax.tree.map(lambda s: jnp.asarray(s, _F32), stats)
 
     watch.defvjp(fwd, bwd)
     return watch
@@ -303,18 +332,19 @@ class Monitor:
 
         def with_probes(*args: Any) -> Any:
             *args, probes = args
-            with SESSION.push(Session(list(probes), combine="max")):
+            with SESSION.push(Session(list(probes))):
                 return run(*args)
 
         def step(*args: Any) -> Any:
-            probes = tuple(jnp.zeros(_K, _F32) for _ in range(n))
+            probes = tuple(zeros(Watch) for _ in range(n))
             where = (*nums, len(args))
             if loss_scale is None:
                 vg = jax.value_and_grad(with_probes, argnums=where, has_aux=has_aux)
             else:
                 vg = scaled(with_probes, loss_scale, argnums=where, has_aux=has_aux)
             value, grads = vg(*args, probes)
-            seen = jnp.stack(grads[-1]) if n else jnp.zeros((0, _K), _F32)
+            rows = [jnp.stack(list(w)) for w in grads[-1]]  # in FIELDS order
+            seen = jnp.stack(rows) if n else jnp.zeros((0, _K), _F32)
             grads = grads[0] if single else tuple(grads[:-1])
             return (value, grads), seen
 
@@ -334,12 +364,12 @@ class Monitor:
             return jnp.asarray(np.array([f in which for f in formats], bool))
 
         eight = (Format.FLOAT8, Format.FLOAT8_ROWWISE)
-        col = {f: seen[:, i] for f, i in _FIELD.items()}
-        big_out = col["y_amax"] > top if half else jnp.zeros(len(formats), bool)
-        big_in = jnp.maximum(col["x_amax"], col["w_amax"]) > top
+        col = Watch.columns(seen)
+        big_out = col.y_amax > top if half else jnp.zeros(len(formats), bool)
+        big_in = jnp.maximum(col.x_amax, col.w_amax) > top
         big_in = big_in if half else jnp.zeros(len(formats), bool)
-        flush = col["float8_flush"] > self.max_flush
-        overflow = col["overflow"] > 0
+        flush = col.float8_flush > self.max_flush
+        overflow = col.overflow > 0
         bad = (
             overflow
             | (mask((Format.HALF, *eight)) & big_out)
@@ -361,7 +391,7 @@ class Monitor:
             events=state.events + bad.astype(jnp.int32),
             last=seen,
             peak=jnp.maximum(state.peak, seen),
-            calibration=jnp.where(first, seen[:, 1:4], state.calibration),
+            calibration=jnp.where(first, seen[:, list(_AMAX)], state.calibration),
         )
 
     # ------------------------------------------------------------ on the host

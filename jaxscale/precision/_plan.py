@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jaxscale._cost import DeviceCost
+from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
 from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._measure import (
@@ -185,6 +186,68 @@ class Plan:
         ``jxs.autocast(f, dtype, plan=plan)`` calls this for."""
         formats = tuple((s.site, s.format) for s in self.sites)
         return PlanRule(formats, f"the plan ({len(formats)} sites)")
+
+    @classmethod
+    def from_formats(
+        cls,
+        formats: Mapping[str, Format],
+        measures: Iterable[SiteMeasure],
+        *,
+        cost: DeviceCost | str,
+        budget: float = math.inf,
+        why: str = "chosen by the user",
+    ) -> Plan:
+        """A plan of formats chosen without the solver (a shape rule, another
+        library's choice, a hand-written table), priced and explained as
+        :meth:`replace` prices an edit.
+
+        Args:
+          formats: ``{site: Format}``, one entry per site of ``measures``.
+          measures: one :class:`~jaxscale.precision.SiteMeasure` per site, in
+            the order the function meets them (a sensor's ``measures()``).
+          cost: the device kind's figures: a ``DeviceCost`` or a device kind
+            (``"H100"``; a kind without figures takes the H100 SXM's).
+          budget: the error budget the plan states (default: none, ``inf``).
+          why: the reason each site records.
+
+        Returns:
+          The :class:`Plan`.
+
+        Raises:
+          ValueError: if ``formats`` and ``measures`` name different sites, or
+            a format was not measured at its site or fails there.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure(
+          ...     "mlp", (16384, 4096, 28672), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 2e-3})
+          >>> plan = jxs.precision.Plan.from_formats(
+          ...     {"mlp": F.FLOAT8}, [m], cost="H100", why="torchao's shape rule")
+          >>> plan.formats(), plan.sites[0].why.startswith("float8: torchao's")
+          ({'mlp': <Format.FLOAT8: 'float8'>}, True)
+        """
+        measures = tuple(measures)
+        if isinstance(cost, str):
+            cost, device = device_cost(cost)
+        else:
+            device = cost.name
+        names = [m.site for m in measures]
+        if set(formats) != set(names):
+            raise ValueError(
+                f"`formats` must name the sites of `measures`, {names}; got "
+                f"{list(formats)}."
+            )
+        # Any measured format first, then each site edited to its own (which
+        # checks that it was measured there and holds).
+        start = [
+            site_plan(m, min(m.errors, key=m.errors.get), cost, why) for m in measures
+        ]
+        plan = cls(tuple(start), measures, float(budget), device, cost)
+        for m in measures:
+            plan = plan.replace(m.site, formats[m.site], why=why)
+        return plan
 
     # ------------------------------------------------------------------ edits
 

@@ -23,14 +23,16 @@ from jaxscale.precision._tap import (
     FIELDS,
     REFERENCE,
     SESSION,
-    WIDTH,
     SensorRule,
     Session,
+    TapStats,
 )
 
 __all__ = ["Sensor", "plan_precision"]
 
 _F32 = np.dtype("float32")
+# The backward products' squared errors, each over its reference's squares.
+_GRAD_ERRORS = (("dx", "dx_ref"), ("dw", "dw_ref"))
 
 
 def _loss_scale(value: Any) -> float:
@@ -142,7 +144,7 @@ class Sensor:
         self._run = autocast(fun, self.dtype, rules=rules, plan=rule)
         self._sites: dict[str, tuple[Any, ...]] = {}
         self._order: list[str] = []
-        self._sums: np.ndarray | None = None
+        self._sums: list[TapStats] | None = None  # per site, float64 sums
         self.batches = 0
         self._step = jax.jit(self._probe_grads)
 
@@ -182,10 +184,15 @@ class Sensor:
         calls must have the same sites."""
         if not self._order:
             self._count(args, kwargs)
-        probes = tuple(jnp.zeros(WIDTH, _F32) for _ in self._order)
+        probes = tuple(TapStats.zeros() for _ in self._order)
         grads = self._step(probes, args, kwargs)
-        sums = np.stack([np.asarray(g, np.float64) for g in grads])
-        self._sums = sums if self._sums is None else self._sums + sums
+        sums = [jax.tree.map(lambda a: np.asarray(a, np.float64), g) for g in grads]
+        if self._sums is not None:
+            sums = [
+                jax.tree.map(np.add, a, b)
+                for a, b in zip(self._sums, sums, strict=True)
+            ]
+        self._sums = sums
         self.batches += 1
         return self
 
@@ -201,17 +208,14 @@ class Sensor:
         the loss, ``sum(g * dy)``; see :data:`~jaxscale.precision._tap.FIELDS`."""
         if self._sums is None:
             raise ValueError("the sensor has measured no batch: call `update` first.")
-        mean = self._sums / self.batches
-        nf = len(FIELDS)
         out = {}
-        for i, name in enumerate(self._order):
+        for name, sums in zip(self._order, self._sums, strict=True):
+            mean = sums._asdict()
+            mean = {k: v / self.batches for k, v in mean.items()}
             row: dict[Any, dict[str, float]] = {
-                f: dict(zip(FIELDS, mean[i, j * nf : (j + 1) * nf], strict=True))
-                for j, f in enumerate(PRECISION)
+                f: {k: mean[k][j] for k in FIELDS} for j, f in enumerate(PRECISION)
             }
-            row["reference"] = dict(
-                zip(REFERENCE, mean[i, len(PRECISION) * nf :], strict=True)
-            )
+            row["reference"] = {k: mean[k] for k in REFERENCE}
             out[name] = row
         return out
 
@@ -225,7 +229,7 @@ class Sensor:
                 s = row[f]
                 fisher[name, f] = s["fisher"]
                 grad[name, f] = sum(
-                    s[k] / ref[k + "_ref"] for k in ("dx", "dw") if ref[k + "_ref"] > 0
+                    s[k] / ref[r] for k, r in _GRAD_ERRORS if ref[r] > 0
                 )
                 notes[name, f] = _trouble(s, ref, f, self.dtype, self.loss_scale)
         half = [n for n in stats if not notes[n, Format.HALF][0]]

@@ -23,10 +23,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
-from jaxscale._probe import spread
+from jaxscale._probe import spread, stack, unstack
 from jaxscale.internal import Extension, Loop, dot_sizes, dtype_of, is_castable
 
 __all__ = [
@@ -55,13 +55,15 @@ class _SiteLoop(Loop):
 
     def __init__(self, ctx: SiteContext, length: int):
         self.ctx, self.first, self.length = ctx, len(ctx.seen), length
-        self.xs = ctx.loop_inputs(self.first, length)
+        leaves, self.tree = jax.tree.flatten(ctx.loop_inputs(self.first, length))
+        self.xs = tuple(leaves)
 
     @contextlib.contextmanager
     def body(self, extra: Sequence[Any]) -> Iterator[None]:
         ctx = self.ctx
         del ctx.seen[self.first :]
-        saved = ctx.enter_loop(self.first, extra)
+        inputs = jax.tree.unflatten(self.tree, list(extra)) if extra else None
+        saved = ctx.enter_loop(self.first, inputs)
         ctx.loops.append(self.length)
         try:
             yield
@@ -97,11 +99,16 @@ class SiteContext(Extension):
     def loop(self, length: int) -> Loop:
         return _SiteLoop(self, length)
 
-    def loop_inputs(self, first: int, length: int) -> tuple[Any, ...]:
-        """Per-iteration inputs of a loop entered after ``first`` sites."""
-        return ()
+    def loop_inputs(self, first: int, length: int) -> Any:
+        """Per-iteration inputs of a loop entered after ``first`` sites (a
+        pytree of arrays stacked along a leading axis of ``length``; ``None``:
+        none)."""
+        return None
 
-    def enter_loop(self, first: int, extra: Sequence[Any]) -> Any:
+    def enter_loop(self, first: int, inputs: Any) -> Any:
+        """Enters one trace of a loop's body, given this iteration's slice of
+        :meth:`loop_inputs` (``None`` if none); returns what
+        :meth:`leave_loop` restores."""
         return None
 
     def leave_loop(self, saved: Any) -> None:
@@ -116,9 +123,9 @@ class SiteContext(Extension):
 class ProbeContext(SiteContext):
     """A :class:`SiteContext` whose sites read *probes*: zero inputs, one per
     site in the order met, whose cotangents carry what the site measured
-    (``session.probes``; ``None`` while only counting). In a ``scan`` body the
-    probes enter once per iteration; their cotangents combine over the
-    iterations by ``session.combine``: ``"sum"`` or ``"max"``."""
+    (``session.probes``, probes of one kind; ``None`` while only counting). In
+    a ``scan`` body the probes enter once per iteration (:func:`spread`): their
+    cotangents combine over the iterations as their kind declares."""
 
     def __init__(self, session: Any):
         super().__init__()
@@ -127,16 +134,13 @@ class ProbeContext(SiteContext):
     def loop_inputs(self, first, length):
         probes = self.session.probes
         if probes is None or first >= len(probes):
-            return ()
-        block = jnp.stack(probes[first:])
-        return (spread(block, length, self.session.combine),)
+            return None
+        return spread(stack(probes[first:]), length)
 
-    def enter_loop(self, first, extra):
+    def enter_loop(self, first, inputs):
         saved = self.session.probes
-        if extra:
-            (block,) = extra
-            rows = [block[i] for i in range(block.shape[0])]
-            self.session.probes = [*saved[:first], *rows]
+        if inputs is not None:
+            self.session.probes = [*saved[:first], *unstack(inputs)]
         return saved
 
     def leave_loop(self, saved):

@@ -329,12 +329,12 @@ def frontier(
     margin = _MARGIN * feasible + 1
     gap = max((feasible - lower) / 1024, 1.0)
     while True:
+        # Once ``limit`` reaches ``feasible`` the known plan survives the
+        # bounds, so a plan is found within it and returned: the loop ends.
         limit = min(lower + gap, feasible) + margin
         found = _search(times, errors, budget, rests, limit)
         if found is not None and found[0] <= limit - margin:
             return found[1]  # and no plan is faster: it would have survived
-        if limit - margin >= feasible:
-            return found[1] if found is not None else None  # (not reached)
         if found is not None:  # a plan within the budget: a better start
             feasible = min(feasible, found[0])
         gap *= 2

@@ -17,8 +17,10 @@ operands and returns, as the cotangent of a zero *probe* input, per format:
 - counts: outputs that overflow where the reference is finite, operands beyond
   the format's range, gradients that overflow or flush to zero once scaled.
 
-Probes in a ``scan`` body enter once per iteration; their cotangents are
-summed over the iterations. :class:`~jaxscale.precision.Sensor`
+The probe is a :class:`TapStats` (:mod:`jaxscale._probe`): each field named,
+the per-format ones ``f32[len(PRECISION)]``. Probes in a ``scan`` body enter
+once per iteration; their cotangents are summed over the iterations (every
+field declares ``"sum"``). :class:`~jaxscale.precision.Sensor`
 (:mod:`jaxscale.precision._sensor`) turns the sums into
 :class:`~jaxscale.precision.SiteMeasure` scores.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ from jax import lax
 
 from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
+from jaxscale._probe import zeros
 from jaxscale._scope import Scope
 from jaxscale._speed import Format
 from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
@@ -44,7 +47,7 @@ from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION
 from jaxscale.precision._sites import ProbeContext, SiteContext
 
-__all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "WIDTH"]
+__all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "TapStats"]
 
 _F32 = np.dtype("float32")
 # Per format, in PRECISION order; then the reference's own sums.
@@ -66,17 +69,46 @@ REFERENCE = (
     "inputs",  # elements of both operands
     "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
 )
-WIDTH = len(PRECISION) * len(FIELDS) + len(REFERENCE)
 SESSION = Scope("precision sensor")
 
 
-class Session:
-    """One traced run of the sensor: the probes (``None`` while the sites are
-    only counted), and per site its size and operand bytes as met."""
+class TapStats(NamedTuple):
+    """One site's probe (and its cotangent): per format in ``PRECISION``
+    order, ``f32[len(PRECISION)]``, the :data:`FIELDS`; then the reference's
+    own sums, ``f32[]`` each, the :data:`REFERENCE`. Every field is a sum."""
 
-    def __init__(self, probes: Sequence[Any] | None = None, combine: str = "sum"):
+    linear: Any
+    fisher: Any
+    dx: Any
+    dw: Any
+    overflow: Any
+    range: Any
+    grad_overflow: Any
+    flush: Any
+    dx_ref: Any
+    dw_ref: Any
+    outputs: Any
+    grads: Any
+    inputs: Any
+    grad_beyond: Any
+
+    @classmethod
+    def zeros(cls) -> TapStats:
+        """The zero probe."""
+        return zeros(cls, **dict.fromkeys(FIELDS, (len(PRECISION),)))
+
+
+TapStats.COMBINE = dict.fromkeys(TapStats._fields, "sum")
+assert TapStats._fields == FIELDS + REFERENCE  # the layout the docs name
+
+
+class Session:
+    """One traced run of the sensor or of the monitor: the probes (``None``
+    while the sites are only counted), and per site its size and operand bytes
+    as met."""
+
+    def __init__(self, probes: Sequence[Any] | None = None):
         self.probes = list(probes) if probes is not None else None
-        self.combine = combine  # how a loop's iterations combine: "sum", "max"
         # per site: (m, k, n), operand bytes, runs per step
         self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int], int]] = {}
         self.order: list[str] = []
@@ -143,18 +175,19 @@ def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
         if fmt in (Format.HALF, Format.HALF_WIDE)
         else jnp.zeros((), _F32)
     )
-    return [
-        jnp.sum(gdy),
-        jnp.sum(gdy**2),
-        _sq(dxf - dx),
-        _sq(dwf - dw),
-        _count(~finite & jnp.isfinite(y)),
-        in_range,
-        _count(~jnp.isfinite(dxf))
-        + _count(~jnp.isfinite(dwf))
-        + (_count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g)) if narrow else 0.0),
-        _count(flushed),
-    ]
+    grad_overflow = _count(~jnp.isfinite(dxf)) + _count(~jnp.isfinite(dwf))
+    if narrow:
+        grad_overflow += _count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g))
+    return dict(
+        linear=jnp.sum(gdy),
+        fisher=jnp.sum(gdy**2),
+        dx=_sq(dxf - dx),
+        dw=_sq(dwf - dw),
+        overflow=_count(~finite & jnp.isfinite(y)),
+        range=in_range,
+        grad_overflow=grad_overflow,
+        flush=_count(flushed),
+    )
 
 
 def _tap(
@@ -196,17 +229,22 @@ def _tap(
         x32, w32, g = x.astype(_F32), w.astype(_F32), g.astype(_F32)
         _, vjp = jax.vjp(lambda a, b: _reference(a, b, dims), x32, w32)
         dx, dw = vjp(g)
-        stats, made = [], dict(makes)
-        for fmt in PRECISION:
-            if fmt not in made:
-                stats += [0.0] * len(FIELDS)
-                continue
-            make = made[fmt]
-            stats += _format_stats(fmt, make, x32, w32, y, g, dx, dw, dtype, loss_scale)
+        made, none = dict(makes), dict.fromkeys(FIELDS, 0.0)
+        per = [
+            _format_stats(f, made[f], x32, w32, y, g, dx, dw, dtype, loss_scale)
+            if f in made
+            else none
+            for f in PRECISION
+        ]
         top = float(jnp.finfo(dtype).max)
-        stats += [_sq(dx), _sq(dw), jnp.asarray(y.size, _F32), _count(g != 0)]
-        stats += [jnp.asarray(x.size + w.size, _F32), _count(jnp.abs(g) > top)]
-        probe = jnp.stack([jnp.asarray(s, _F32) for s in stats])
+        ref = [_sq(dx), _sq(dw), y.size, _count(g != 0), x.size + w.size]
+        ref.append(_count(jnp.abs(g) > top))
+        # Stacked, then named: under ``vmap`` the sizes are batched like the
+        # sums and added over the examples as they are.
+        probe = TapStats(
+            *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
+            *jnp.stack([jnp.asarray(r, _F32) for r in ref]),
+        )
         return dx.astype(x.dtype), dw.astype(w.dtype), probe
 
     tap.defvjp(fwd, bwd)
