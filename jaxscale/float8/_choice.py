@@ -1,16 +1,22 @@
-"""Which matmuls run in float8: the user's patterns, ``min_dim``, the cost model.
+"""Which matmuls run in float8: the user's patterns and ``select``, ``min_dim``,
+the cost model.
 
 A ``dot_general`` without batch dimensions is a *candidate*; whether it becomes
-a float8 site is decided here, in this order (:func:`choose`):
+a float8 site is decided here (:func:`choose`) by the recipe's selectors
+(:mod:`jaxscale.float8._select`: each ``(site, shape) -> Format | None``), the
+first with an opinion deciding, in this order:
 
 1. the recipe's ``sites``: regular expressions searched in the candidate's name
    stack (Flax module paths, ``jax.named_scope``), the first that matches says
-   ``True`` (float8) or ``False`` (16 bits);
-2. else, if the recipe has an integer ``min_dim``: float8 when M, K and N all
-   reach it (the rule of jaxscale 0.3);
-3. else the cost model (:func:`predicted_ratio`): float8 when its predicted time
-   for the site's three products (forward, and both backward products) with
-   their quantisation passes is below that of the 16-bit products.
+   ``True`` (float8) or ``False`` (16 bits) (:class:`~._select.Patterns`);
+2. the recipe's ``select``, the user's selector (:class:`~._select.UserSelect`:
+   a plan's ``Plan.select``, a torchao-style filter);
+3. else, if the recipe has an integer ``min_dim``: float8 when M, K and N all
+   reach it (the rule of jaxscale 0.3) (:class:`~._select.MinDim`);
+4. else the cost model (:class:`SpeedModel`, :func:`predicted_ratio`): float8
+   when its predicted time for the site's three products (forward, and both
+   backward products) with their quantisation passes is below that of the
+   16-bit products.
 
 **The cost model** is the speed model's (:mod:`jaxscale._speed`) for two
 formats: a site's three products in 16 bits, each operand wider than 16 bits
@@ -34,10 +40,11 @@ device's.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -51,25 +58,19 @@ from jaxscale._cost import (
     target_kind,
 )
 from jaxscale._speed import Format, site_seconds
+from jaxscale.float8._select import Choice, MinDim, Patterns, UserSelect, first
 
 __all__ = [
     "Choice",
+    "SpeedModel",
     "check_device_kind",
     "check_sites",
     "choose",
     "predicted_ratio",
     "predicted_times",
+    "selectors",
     "target_device",
 ]
-
-
-class Choice(NamedTuple):
-    """What :func:`choose` decided for one candidate: ``float8``, and ``why``
-    in words; ``by`` is ``"pattern"``, ``"min_dim"`` or ``"model"``."""
-
-    float8: bool
-    why: str
-    by: str
 
 
 def predicted_times(
@@ -120,6 +121,48 @@ def target_device(
     return device_cost(kind)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeedModel:
+    """The cost model as a selector (:mod:`jaxscale.float8._select`): float8
+    where the speed model predicts a site of ``shape`` faster in float8 than in
+    16 bits, given its operands' bytes per element and the device kind's
+    figures (``device()``, :func:`target_device`, asked at the first call);
+    decides every site. What ``float8=True`` selects by."""
+
+    itemsizes: tuple[int, int]
+    device: Callable[[], tuple[DeviceCost, str]]
+    dtype_name: str = "bfloat16"
+    fmt: Format = Format.FLOAT8
+
+    def explain(self, site: str, shape: tuple[int, int, int]) -> Choice:
+        cost, name = self.device()
+        r = predicted_ratio(*shape, *self.itemsizes, cost)
+        fmt = "float8" if r < 1 else "16 bits"
+        why = f"{fmt}: predicted {r:.2f} of {self.dtype_name} on {name}"
+        return Choice(r < 1, why, "model")
+
+    def __call__(self, site: str, shape: tuple[int, int, int]) -> Format:
+        return self.fmt if self.explain(site, shape).float8 else Format.HALF
+
+
+def selectors(
+    recipe: Any,
+    itemsizes: tuple[int, int],
+    device: Callable[[], tuple[DeviceCost, str]],
+    dtype_name: str,
+) -> tuple[Any, ...]:
+    """``recipe``'s selectors for a candidate whose operands have ``itemsizes``
+    bytes per element, in the order they are asked: its ``sites`` patterns, its
+    ``select``, then ``min_dim`` or the cost model (one of which decides)."""
+    fmt = Format.FLOAT8_ROWWISE if getattr(recipe, "axiswise", False) else Format.FLOAT8
+    chain: list[Any] = [Patterns(recipe.sites, fmt)] if recipe.sites else []
+    if getattr(recipe, "select", None) is not None:
+        chain.append(UserSelect(recipe.select, fmt))
+    if recipe.min_dim is not None:
+        return (*chain, MinDim(recipe.min_dim, fmt))
+    return (*chain, SpeedModel(tuple(itemsizes), device, dtype_name, fmt))
+
+
 def choose(
     recipe: Any,
     where: str,
@@ -129,23 +172,12 @@ def choose(
     dtype_name: str,
 ) -> Choice:
     """Whether the candidate at name stack ``where`` of sizes ``mkn`` runs in
-    float8 under ``recipe``, and why. ``device()`` gives the figures of the
-    device kind (:func:`target_device`; called by the cost model only)."""
-    for pattern, flag in recipe.sites:
-        if re.search(pattern, where):
-            fmt = "float8" if flag else "16 bits"
-            return Choice(flag, f"{fmt}: pattern '{pattern}' says so", "pattern")
-    m, k, n = mkn
-    if recipe.min_dim is not None:
-        if min(mkn) >= max(recipe.min_dim, 1):
-            why = f"float8: M, K, N >= min_dim {recipe.min_dim}"
-            return Choice(True, why, "min_dim")
-        why = f"16 bits: below min_dim {recipe.min_dim} (M={m}, K={k}, N={n})"
-        return Choice(False, why, "min_dim")
-    cost, name = device()
-    r = predicted_ratio(m, k, n, *itemsizes, cost)
-    fmt = "float8" if r < 1 else "16 bits"
-    return Choice(r < 1, f"{fmt}: predicted {r:.2f} of {dtype_name} on {name}", "model")
+    float8 under ``recipe``, and why: the first of its :func:`selectors` with
+    an opinion. ``device()`` gives the figures of the device kind
+    (:func:`target_device`; called by the cost model only)."""
+    choice = first(selectors(recipe, itemsizes, device, dtype_name), where, mkn)
+    assert choice is not None  # min_dim and the cost model decide every site
+    return choice
 
 
 # --------------------------------------------------------------------------- #

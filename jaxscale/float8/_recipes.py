@@ -40,6 +40,7 @@ from jaxscale.float8._choice import (
     target_device,
 )
 from jaxscale.float8._numerics import E4M3, E5M2, amax, scale_from_amax
+from jaxscale.float8._select import check_select
 from jaxscale.float8._site import (
     Context,
     SiteState,
@@ -107,13 +108,15 @@ class Recipe(PluginRule):
     Under ``jxs.autocast(f, dtype, float8=recipe)``, a ``dot_general`` without
     batch dimensions is a *candidate*, and a float8 *site* if the recipe
     chooses it: by the first of ``sites``' patterns found in its name stack;
-    else, with an integer ``min_dim``, if its contracting size and both free
-    sizes reach it; else (``min_dim=None``, the default) if the cost model
-    predicts its float8 products, quantisation included, faster than 16-bit
-    ones on the device kind (``docs/float8.md``: "Which matmuls run in
-    float8"). A site's operands are quantised to ``fwd_dtype`` with one scale
-    each, its incoming gradient to ``bwd_dtype``, and its three products run on
-    float8 operands; any other ``dot_general`` runs in ``dtype`` (the
+    else by ``select``, if it has an opinion; else, with an integer
+    ``min_dim``, if its contracting size and both free sizes reach it; else
+    (``min_dim=None``, the default) if the cost model predicts its float8
+    products, quantisation included, faster than 16-bit ones on the device
+    kind (``docs/float8.md``: "Which matmuls run in float8"). Each of these is
+    a *selector*, ``(site, shape) -> Format | None``, asked in that order. A
+    site's operands are quantised to ``fwd_dtype`` with one scale each, its
+    incoming gradient to ``bwd_dtype``, and its three products run on float8
+    operands; any other ``dot_general`` runs in ``dtype`` (the
     ``"lower"`` rule). The operands are not cast first: each is quantised from
     its own dtype.
 
@@ -146,6 +149,15 @@ class Recipe(PluginRule):
         topology), else the mesh in context (``jax.set_mesh``), else JAX's
         default device. A kind the model has no figures for (the CPU) takes
         the H100 SXM's with an :class:`~jaxscale.AutocastWarning`.
+      select: ``None``, or your per-site selector, asked after ``sites`` and
+        before ``min_dim`` and the cost model: a callable ``select(site,
+        shape)`` of a candidate's name stack (as ``sites`` sees it) and its
+        ``(m, k, n)`` that returns ``True`` or the recipe's float8
+        :class:`~jaxscale.precision.Format` (float8), ``False`` or
+        ``Format.HALF`` (16 bits), or ``None`` (no opinion: ``min_dim`` or the
+        cost model decides). A precision plan's :meth:`Plan.select
+        <jaxscale.precision.Plan.select>` is one; so is a torchao-style
+        ``module_filter_fn``. Called at trace time, once per candidate.
 
     Examples:
       A recipe of your own: scales that are powers of two (exact to apply).
@@ -172,6 +184,7 @@ class Recipe(PluginRule):
     min_dim: int | None = None
     sites: Any = ()
     device_kind: str | None = None
+    select: Any = None
 
     # Whether sites read a state threaded through the train step.
     needs_state: ClassVar[bool] = False
@@ -201,6 +214,7 @@ class Recipe(PluginRule):
             ("min_dim", _min_dim(self.min_dim)),
             ("sites", check_sites(self.sites)),
             ("device_kind", check_device_kind(self.device_kind)),
+            ("select", check_select(self.select)),
         ):
             object.__setattr__(self, name, value)
 
@@ -314,7 +328,7 @@ class Recipe(PluginRule):
         if choice is None or not choice.float8:
             if choice is not None:
                 it.note(f"float8 declined: {choice.why}")
-                if choice.by != "pattern":  # its size: a warning if all are
+                if choice.by in ("min_dim", "model"):  # its size: warn if all are
                     ctx.declined.append(
                         sizes(params, np.shape(vals[0]), np.shape(vals[1]))
                     )
@@ -356,6 +370,7 @@ class CurrentScaling(Recipe):
       min_dim: as :class:`Recipe` (``None``: the cost model chooses).
       sites: as :class:`Recipe`.
       device_kind: as :class:`Recipe`.
+      select: as :class:`Recipe`.
 
     Examples:
       >>> import jaxscale as jxs
@@ -368,6 +383,19 @@ class CurrentScaling(Recipe):
       >>> recipe = jxs.float8.CurrentScaling(sites={"head": False, "mlp": True})
       >>> recipe.min_dim, recipe.sites
       (None, (('head', False), ('mlp', True)))
+
+      A selector of your own, torchao's ``module_filter_fn`` in effect (``None``:
+      the cost model decides):
+
+      >>> import jax.numpy as jnp
+      >>> def select(site, shape):
+      ...     return False if "head" in site else None
+      >>> recipe = jxs.float8.CurrentScaling(select=select, min_dim=0)
+      >>> def f(w, x):
+      ...     return x @ w
+      >>> g = jxs.autocast(f, jnp.bfloat16, float8=recipe)
+      >>> g(jnp.ones((16, 16)), jnp.ones((8, 16))).dtype
+      dtype('float32')
     """
 
     names = (True, "current")
@@ -432,6 +460,7 @@ class RowwiseScaling(CurrentScaling):
       min_dim: as :class:`Recipe` (``None``: the cost model chooses).
       sites: as :class:`Recipe`.
       device_kind: as :class:`Recipe`.
+      select: as :class:`Recipe`.
 
     Examples:
       >>> import jaxscale as jxs, jax.numpy as jnp
@@ -503,6 +532,7 @@ class DelayedScaling(Recipe):
       min_dim: as :class:`CurrentScaling`.
       sites: as :class:`CurrentScaling`.
       device_kind: as :class:`CurrentScaling`.
+      select: as :class:`CurrentScaling`.
 
     Examples:
       >>> import jaxscale as jxs
