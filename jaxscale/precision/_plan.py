@@ -27,6 +27,7 @@ from jaxscale.precision._measure import (
     number,
     score,
 )
+from jaxscale.precision._sites import TOP_LEVEL
 
 __all__ = ["Plan", "SitePlan", "site_plan"]
 
@@ -433,6 +434,68 @@ class Plan:
             return cls(tuple(sites), tuple(measures), _in(doc["budget"]), device, cost)
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"`text` is not a valid plan: {err}") from None
+
+    # ------------------------------------------------------------- selector
+
+    def select(
+        self, site: str, shape: tuple[int, int, int] | None = None
+    ) -> Format | None:
+        """The plan as a per-site selector: the format of ``site``, or ``None``
+        if the plan does not name it ("no opinion").
+
+        ``float8=jxs.float8.CurrentScaling(select=plan.select)`` puts the
+        plan's float8 sites in float8 and its 16-bit sites in 16 bits. A float8
+        recipe names a matmul by its name stack alone (``""`` at the top
+        level), so ``site`` matches the plan's site of that name and its
+        numbered repeats (``name#1``, ...); where they differ in format, those
+        of the same ``shape`` decide. ``shape`` is otherwise not compared (as
+        ``jxs.autocast(f, dtype, plan=plan)`` does not: a plan measured on a
+        small batch serves a large one).
+
+        Args:
+          site: a name stack, or a site name of the plan.
+          shape: the matmul's ``(m, k, n)``, or ``None``.
+
+        Returns:
+          The site's :class:`~jaxscale.precision.Format`, or ``None``.
+
+        Raises:
+          ValueError: if the plan's sites of that name (and shape) are in
+            different formats: a name stack cannot tell them apart.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure(
+          ...     "mlp", (16384, 4096, 28672), (2, 4), {F.HALF: 1e-4, F.FLOAT8: 2e-3})
+          >>> plan = jxs.precision.Plan.from_formats(
+          ...     {"mlp": F.FLOAT8}, [m], cost="H100")
+          >>> plan.select("mlp", (16384, 4096, 28672)), plan.select("head")
+          (<Format.FLOAT8: 'float8'>, None)
+          >>> recipe = jxs.float8.CurrentScaling(select=plan.select)
+        """
+        base = site or TOP_LEVEL
+        same = [
+            s
+            for s in self.sites
+            if s.site == site
+            or s.site == base
+            or (s.site.startswith(base + "#") and s.site[len(base) + 1 :].isdigit())
+        ]
+        if shape is not None:
+            same = [s for s in same if s.shape == tuple(shape)] or same
+        formats = {s.format for s in same}
+        if len(formats) > 1:
+            got = ", ".join(f"{s.site}: {s.format.value}" for s in same)
+            raise ValueError(
+                f"`site` {site!r} (shape {shape}) names {len(same)} sites of the "
+                f"plan in different formats ({got}): a name stack cannot tell "
+                "them apart. Run the plan with `jxs.autocast(f, dtype, plan=plan)`, "
+                "which counts the sites, or name the layers apart "
+                "(`jax.named_scope`)."
+            )
+        return formats.pop() if formats else None
 
 
 _PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"})
