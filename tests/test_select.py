@@ -217,3 +217,10 @@ def test_the_guides_selector_snippet_runs_as_written():
     with jax.numpy_dtype_promotion("strict"):
         exec(compile(code, "float8.md", "exec"), namespace)
     assert namespace["float8_sites"] == 1
+
+
+def test_a_selector_that_declines_every_site_does_not_warn():
+    # The user said so, as with `sites={"": False}`: no "nothing runs in float8"
+    # (the suite turns warnings into errors).
+    recipe = jxs.float8.CurrentScaling(min_dim=0, select=lambda site, shape: False)
+    assert _float8_dots(_step(recipe), *_args()) == []
