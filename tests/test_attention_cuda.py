@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxscale as jxs
+from jaxscale import _hlo
 
 pytestmark = pytest.mark.integration
 eqx = pytest.importorskip("equinox")  # its import warns on the floors: not ours
@@ -59,7 +60,8 @@ def through_jax_nn(q, k, v):
 def cudnn_calls(loss, *args, platform="cuda"):
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
     text = grad.trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    return text.count("__cudnn$fmha")
+    calls = _hlo.stablehlo_custom_calls(text)
+    return sum(n for target, n in calls.items() if target.startswith("__cudnn$fmha"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=str)
