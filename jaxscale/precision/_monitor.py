@@ -17,6 +17,7 @@ quiet ones. A new plan is a new program: the step is traced and compiled again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -206,6 +207,47 @@ class _MonitorRule(PlanRule):
         x, w = vals
         watch = _watch(jax.typeof(x), jax.typeof(w))
         return [watch(outs[0], x, w, probe)]
+
+
+def _host(x: Any) -> np.ndarray:
+    """``x`` on the host: a global array's whole value (the same on every
+    process), otherwise this process's own."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _agree_counters(plan: Plan, state: MonitorState) -> tuple[np.ndarray, ...]:
+    """``(troubled, quiet)`` agreed over every ``jax.distributed`` process,
+    the same on each, so that every process re-plans alike: a site's troubled
+    steps in a row are the most any process counts, its quiet ones the fewest
+    (a site is raised if any process needs it, lowered only if every process
+    is quiet). A global state (the step ran on global arrays) is already the
+    same everywhere; with one process, the state's own counters.
+
+    Raises:
+      ValueError: if the processes' monitors run different plans.
+    """
+    troubled, quiet = _host(state.troubled), _host(state.quiet)
+    if jax.process_count() == 1:
+        return troubled, quiet
+    from jax.experimental import multihost_utils
+
+    formats = [(s.site, s.format.value) for s in plan.sites]
+    key = np.frombuffer(hashlib.sha256(repr(formats).encode()).digest(), np.uint32)
+    keys = np.asarray(multihost_utils.process_allgather(key))
+    if not (keys == keys[0]).all():
+        raise ValueError(
+            "`Monitor.replan`: the processes' monitors run different plans (so "
+            "they compile different programs): make the plan with a `Sensor` "
+            "(it agrees across processes) and re-plan on every process, each "
+            "time with the same `replan` calls."
+        )
+    both = np.stack([troubled, quiet]).astype(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(both))  # [p, 2, n]
+    return every[:, 0].max(axis=0), every[:, 1].min(axis=0)
 
 
 def _order(plan: Plan) -> list[Format]:
@@ -409,7 +451,7 @@ class Monitor:
                 "`state` is for other sites than this monitor's plan: make it "
                 "with this monitor's `init` (or the `replan` that made it)."
             )
-        troubled, quiet = np.asarray(state.troubled), np.asarray(state.quiet)
+        troubled, quiet = _agree_counters(self.plan, state)
         plan, changes, reset = self.plan, [], []
         for i, s in enumerate(self.plan.sites):
             m = self.plan.measures[i]

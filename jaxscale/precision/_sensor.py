@@ -5,6 +5,7 @@ measures and solves in one call."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -146,6 +147,7 @@ class Sensor:
         self._order: list[str] = []
         self._sums: list[TapStats] | None = None  # per site, float64 sums
         self.batches = 0
+        self._mine = 0  # the batches in `_sums` (`_spans_processes`)
         self._step = jax.jit(self._probe_grads)
 
     def _loss(self, probes: Any, args: tuple, kwargs: dict) -> Any:
@@ -187,6 +189,9 @@ class Sensor:
         probes = tuple(TapStats.zeros() for _ in self._order)
         grads = self._step(probes, args, kwargs)
         sums = [jax.tree.map(lambda a: np.asarray(a, np.float64), g) for g in grads]
+        mine = not _spans_processes(grads) or jax.process_index() == 0
+        if not mine:  # a global batch: process 0 keeps its sums for all
+            sums = jax.tree.map(np.zeros_like, sums)
         if self._sums is not None:
             sums = [
                 jax.tree.map(np.add, a, b)
@@ -194,24 +199,28 @@ class Sensor:
             ]
         self._sums = sums
         self.batches += 1
+        self._mine += mine
         return self
 
     def _forget(self) -> Sensor:
         """Drops the batches measured so far (the sites and the compiled pass
         stay); returns the sensor."""
-        self._sums, self.batches = None, 0
+        self._sums, self.batches, self._mine = None, 0, 0
         return self
 
     def stats(self) -> dict[str, dict[Any, dict[str, float]]]:
         """The raw sums per site, per format (and ``"reference"``), per field,
         averaged over the batches: ``linear`` is the first-order change of
-        the loss, ``sum(g * dy)``; see :data:`~jaxscale.precision._tap.FIELDS`."""
+        the loss, ``sum(g * dy)``; see :data:`~jaxscale.precision._tap.FIELDS`.
+        Under ``jax.distributed``, the sums and batches of every process
+        (:func:`_agree`): every process must call it."""
         if self._sums is None:
             raise ValueError("the sensor has measured no batch: call `update` first.")
+        all_sums, batches = _agree(self._sums, self._mine, self._order, self._sites)
         out = {}
-        for name, sums in zip(self._order, self._sums, strict=True):
+        for name, sums in zip(self._order, all_sums, strict=True):
             mean = sums._asdict()
-            mean = {k: v / self.batches for k, v in mean.items()}
+            mean = {k: v / batches for k, v in mean.items()}
             row: dict[Any, dict[str, float]] = {
                 f: {k: mean[k][j] for k in FIELDS} for j, f in enumerate(PRECISION)
             }
@@ -263,6 +272,60 @@ class Sensor:
         if cost is None:
             cost = current_device(None)[0]
         return solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
+
+
+def _spans_processes(tree: Any) -> bool:
+    """Whether the arrays of ``tree`` span several processes (the step ran on
+    global arrays: its sums are the global batch's, the same everywhere)."""
+    return any(
+        isinstance(a, jax.Array) and not a.is_fully_addressable
+        for a in jax.tree.leaves(tree)
+    )
+
+
+def _gather(words: np.ndarray) -> np.ndarray:
+    """``uint32[p, n]``: every process's ``words`` (``uint32[n]``), in
+    process order."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(words))
+
+
+def _agree(
+    sums: list[TapStats], batches: int, order: list[str], sites: dict
+) -> tuple[list[TapStats], int]:
+    """The sensor's sums and batch count over every ``jax.distributed``
+    process, the same on each: every process's float64 sums, gathered bit for
+    bit (as ``uint32`` words: no float64 on the device needed) and added in
+    process order; with one process, ``(sums, batches)`` unchanged.
+
+    Raises:
+      ValueError: if the processes traced different sites (names, sizes): the
+        plans would differ, and so would the programs.
+    """
+    if jax.process_count() == 1:
+        return sums, batches
+    key = hashlib.sha256(repr([(n, sites[n]) for n in order]).encode()).digest()
+    keys = _gather(np.frombuffer(key, np.uint32))
+    if not (keys == keys[0]).all():
+        differ = sorted({int(i) for i in np.nonzero((keys != keys[0]).any(1))[0]})
+        raise ValueError(
+            "`Sensor`: the processes traced different matmul sites (names or "
+            f"sizes): process {jax.process_index()} has {len(order)} sites, "
+            f"processes {differ} differ from process 0. Give every process "
+            "calibration batches of the same shapes (and the same function)."
+        )
+    leaves, tree = jax.tree.flatten(sums)
+    flat = np.concatenate([np.ravel(a) for a in leaves] + [np.float64([batches])])
+    every = _gather(flat.astype(np.float64).view(np.uint32)).view(np.float64)
+    total = every[0].copy()
+    for row in every[1:]:  # in process order: the same bits on every process
+        total += row
+    out, at = [], 0
+    for a in leaves:
+        out.append(total[at : at + a.size].reshape(np.shape(a)))
+        at += a.size
+    return jax.tree.unflatten(tree, out), int(total[-1])
 
 
 def _share(count: float, total: float) -> str:
