@@ -368,7 +368,9 @@ def test_the_plan_prints_a_table():
     plan = jxp.solve(three_sites(), cost="H100", budget="16-bit")
     text = str(plan)
     lines = text.splitlines()
-    assert lines[0] == "precision plan: 3 sites on NVIDIA H100 SXM"
+    assert lines[0] == (
+        "precision plan: 3 sites on NVIDIA H100 SXM, measured in an unknown dtype"
+    )
     assert re.fullmatch(
         r"  predicted 29.2 ms: 0.90x the 16-bit time \(32.7 ms\)", lines[1]
     )
@@ -454,7 +456,7 @@ def test_json_round_trips_exactly():
         assert back == p and hash(back) == hash(p)
         assert back.to_json() == text and str(back) == str(p)
     doc = json.loads(plan.to_json())
-    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 1
+    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 2
     assert doc["sites"][2]["errors"]["float8"] == "inf"
 
 
@@ -475,10 +477,10 @@ def test_bad_json_raises_clearly():
         jxp.Plan.from_json("[]")
     with pytest.raises(
         ValueError,
-        match=r"reads plans of version 1, got version 2: load it with the jaxscale "
-        r"that wrote it",
+        match=r"reads plans of versions 1 and 2, got version 3: load it with the "
+        r"jaxscale that wrote it",
     ):
-        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=2, extra=1)))
+        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=3, extra=1)))
     with pytest.raises(ValueError, match=r"missing \[\], unknown \['comment'\]"):
         jxp.Plan.from_json(_edited(plan, lambda d: d.update(comment="mine")))
     with pytest.raises(

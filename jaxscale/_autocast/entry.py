@@ -44,6 +44,7 @@ from jaxscale._policy import parse_float_dtype
 __all__ = [
     "autocast",
     "check_dtype",
+    "check_plan_dtype",
     "interpret",
     "names_dot",
     "resolve",
@@ -278,6 +279,7 @@ def autocast(
     """
     float8 = with_plan(plan, float8)
     dt, table, classes, plugin = resolve(dtype, rules, float8)
+    check_plan_dtype(plan, dt)
     wide = gradient_policy(gradient_dtype, dt)
     for name, flag in (
         ("enabled", enabled),
@@ -345,6 +347,22 @@ def with_plan(plan: Any, float8: Any) -> Any:
             f"`jxs.precision.solve`), got {type(plan).__name__}."
         )
     return rule
+
+
+def check_plan_dtype(plan: Any, dtype: np.dtype) -> None:
+    """Raises if ``plan`` records a 16-bit dtype (``plan.dtype``) other than
+    the autocast ``dtype``: its errors were measured in that one."""
+    planned = getattr(plan, "dtype", None)
+    if planned is None or dtype == _F32 or np.dtype(planned) == dtype:
+        return
+    raise ValueError(
+        f"`plan` was measured in {np.dtype(planned).name}, but autocast `dtype` is "
+        f"{dtype.name}: its errors say nothing of {dtype.name} (float16's range "
+        "and bfloat16's precision differ). Pass `dtype="
+        f"jnp.{np.dtype(planned).name}`, measure a plan in {dtype.name} "
+        f"(`jxs.plan_precision(loss, jnp.{dtype.name})`), or override it knowingly "
+        f"with `plan.with_dtype(jnp.{dtype.name})`."
+    )
 
 
 def resolve(

@@ -16,8 +16,11 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
+from jaxscale.internal import check_dtype
 from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._measure import (
     FORMATS,
@@ -30,7 +33,7 @@ from jaxscale.precision._measure import (
 
 __all__ = ["Plan", "SitePlan", "site_plan"]
 
-_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 1
+_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 2
 
 
 def _time(seconds: float) -> str:
@@ -111,6 +114,13 @@ class Plan:
       budget: the error budget the plan was solved for.
       device: the device kind whose figures the times are predicted with.
       cost: those figures (a ``DeviceCost``).
+      dtype: the 16-bit dtype the sites were measured in (``bfloat16`` or
+        ``float16``), what its 16-bit sites run in: ``jxs.autocast(f, dtype,
+        plan=plan)`` with another dtype raises. ``None``: unknown (a plan
+        :func:`~jaxscale.precision.solve` made from bare measures, or a
+        version-1 JSON file): it runs in the autocast dtype given, unchecked.
+      loss_scale: the loss scale the gradients were measured at (``None``:
+        unknown).
 
     Examples:
       >>> import jaxscale as jxs
@@ -141,8 +151,30 @@ class Plan:
     budget: float
     device: str
     cost: DeviceCost
+    dtype: np.dtype | None = None
+    loss_scale: float | None = None
 
     def __post_init__(self):
+        if self.dtype is not None:
+            dtype = check_dtype(self.dtype)
+            if dtype == np.float32:
+                raise ValueError(
+                    "`dtype` must be the 16-bit dtype the plan was measured in "
+                    "(bfloat16 or float16) or None (unknown), got float32."
+                )
+            object.__setattr__(self, "dtype", dtype)
+        if self.loss_scale is not None:
+            scale = self.loss_scale
+            if isinstance(scale, bool) or not isinstance(scale, int | float):
+                raise TypeError(
+                    "`loss_scale` must be a number or None (unknown), got "
+                    f"{type(scale).__name__} {scale!r}."
+                )
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(
+                    f"`loss_scale` must be finite and positive, got {scale!r}."
+                )
+            object.__setattr__(self, "loss_scale", float(scale))
         names = [s.site for s in self.sites]
         if not names or len(set(names)) != len(names):
             raise ValueError(
@@ -186,6 +218,35 @@ class Plan:
         ``jxs.autocast(f, dtype, plan=plan)`` calls this for."""
         formats = tuple((s.site, s.format) for s in self.sites)
         return PlanRule(formats, f"the plan ({len(formats)} sites)")
+
+    def with_dtype(self, dtype: Any, loss_scale: float | None = None) -> Plan:
+        """This plan's formats, to run in ``dtype``: an explicit override.
+
+        The errors stay those measured in the plan's own dtype: for a plan
+        of another dtype they are no measurement of ``dtype`` (float16's
+        range and bfloat16's precision differ), so measure again where you
+        can (``jxs.plan_precision(loss, dtype)``).
+
+        Args:
+          dtype: the 16-bit dtype (bfloat16 or float16).
+          loss_scale: the loss scale to record (default: the plan's).
+
+        Returns:
+          The :class:`Plan` with ``dtype`` (and ``loss_scale``) set.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jax.numpy as jnp
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure("mlp", (64, 32, 32), (4, 4),
+          ...                               {F.HALF: 1e-4, F.FLOAT32: 0.0})
+          >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-3)
+          >>> plan.dtype is None, plan.with_dtype(jnp.float16).dtype
+          (True, dtype('float16'))
+        """
+        scale = self.loss_scale if loss_scale is None else loss_scale
+        return dataclasses.replace(self, dtype=dtype, loss_scale=scale)
 
     @classmethod
     def from_formats(
@@ -307,7 +368,8 @@ class Plan:
     def __str__(self) -> str:
         state = "within" if self.within_budget else "OVER"
         lines = [
-            f"precision plan: {len(self.sites)} sites on {self.device}",
+            f"precision plan: {len(self.sites)} sites on {self.device}, "
+            f"measured in {_measured(self.dtype, self.loss_scale)}",
             f"  predicted {_time(self.seconds)}: "
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
             f"({_time(self.half_seconds)})",
@@ -363,6 +425,8 @@ class Plan:
             "device": self.device,
             "cost": self.cost._asdict(),
             "budget": _out(self.budget),
+            "dtype": None if self.dtype is None else self.dtype.name,
+            "loss_scale": self.loss_scale,
             "sites": sites,
         }
         return json.dumps(doc, indent=1, allow_nan=False)
@@ -391,14 +455,16 @@ class Plan:
                 f"`text` must be the JSON of a {_JSON_KIND} (`Plan.to_json`), got "
                 f"kind {kind!r}."
             )
-        if doc.get("version") != _JSON_VERSION:
+        if doc.get("version") not in (1, _JSON_VERSION):
             raise ValueError(
-                f"`text`: this jaxscale reads plans of version {_JSON_VERSION}, got "
-                f"version {doc.get('version')!r}: load it with the jaxscale that "
-                "wrote it, or solve the plan again."
+                "`text`: this jaxscale reads plans of versions 1 and "
+                f"{_JSON_VERSION}, got version {doc.get('version')!r}: load it "
+                "with the jaxscale that wrote it, or solve the plan again."
             )
         try:
-            _fields("the plan", doc, _PLAN_FIELDS)
+            # Version 1 has no dtype or loss scale: both unknown (None).
+            v1 = doc["version"] == 1
+            _fields("the plan", doc, _PLAN_FIELDS - _V2 if v1 else _PLAN_FIELDS)
             _fields("`cost`", doc["cost"], set(DeviceCost._fields))
             name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
             cost = DeviceCost(_text("`cost.name`", name), *map(_real, figures))
@@ -430,12 +496,25 @@ class Plan:
                 )
                 measures.append(m)
             device = _text("`device`", doc["device"])
-            return cls(tuple(sites), tuple(measures), _in(doc["budget"]), device, cost)
+            dtype, scale = doc.get("dtype"), doc.get("loss_scale")
+            if dtype is not None:
+                dtype = _text("`dtype`", dtype)
+            scale = None if scale is None else _real(scale)
+            return cls(
+                tuple(sites),
+                tuple(measures),
+                _in(doc["budget"]),
+                device,
+                cost,
+                dtype,
+                scale,
+            )
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"`text` is not a valid plan: {err}") from None
 
 
-_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"})
+_V2 = frozenset({"dtype", "loss_scale"})
+_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | _V2
 _SITE_FIELDS = frozenset(
     {
         "site",
@@ -467,6 +546,11 @@ def _fields(
             f"{what} must have the fields {sorted(expected)}; missing {missing}, "
             f"unknown {unknown}."
         )
+
+
+def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:
+    scale = "" if loss_scale is None else f" at loss scale {number(loss_scale)}"
+    return ("an unknown dtype" if dtype is None else dtype.name) + scale
 
 
 def _real(x: Any) -> float:

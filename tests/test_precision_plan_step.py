@@ -1,0 +1,107 @@
+"""A plan as it meets the step it runs in (issue 49 items 1 and 7, issue 48
+item 7): it records the 16-bit dtype and loss scale it was measured at, warns
+when an edit takes it over its budget, is re-solved at the shapes the step
+traces, and stores each site once."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale as jxs
+import jaxscale.precision as jxp
+
+pytestmark = [pytest.mark.unit]
+
+F = jxp.Format
+
+
+def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+
+def params(d=16, ffn=32):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (d, ffn)) / 4,
+        "w2": jax.random.normal(k2, (ffn, 4)) / 6,
+    }
+
+
+def batch(rows, d=16):
+    return jax.random.normal(jax.random.key(3), (rows, d))
+
+
+@pytest.fixture(scope="module")
+def bf16_plan():
+    return jxs.plan_precision(loss, jnp.bfloat16, cost="H100", loss_scale=8.0)(
+        params(), batch(8)
+    )
+
+
+# ------------------------------------------------------------------ item 1
+
+
+def test_a_plan_records_the_dtype_and_loss_scale_it_was_measured_at(bf16_plan):
+    assert bf16_plan.dtype == np.dtype(jnp.bfloat16)
+    assert bf16_plan.loss_scale == 8.0
+    assert "measured in bfloat16 at loss scale 8" in str(bf16_plan).splitlines()[0]
+
+
+def test_autocast_refuses_a_plan_of_another_16_bit_dtype(bf16_plan):
+    p, x = params(), batch(8)
+    with jax.numpy_dtype_promotion("strict"):
+        out = jax.jit(jxs.autocast(loss, jnp.bfloat16, plan=bf16_plan))(p, x)
+    assert out.dtype == jnp.float32
+    with pytest.raises(
+        ValueError,
+        match=r"`plan` was measured in bfloat16, but autocast `dtype` is float16.*"
+        r"plan.with_dtype\(jnp.float16\)",
+    ):
+        jxs.autocast(loss, jnp.float16, plan=bf16_plan)
+    # The explicit override runs, in float16.
+    f16 = bf16_plan.with_dtype(jnp.float16)
+    assert f16.dtype == np.dtype(jnp.float16) and f16.loss_scale == 8.0
+    with jax.numpy_dtype_promotion("strict"):
+        jaxpr = jax.make_jaxpr(jxs.autocast(loss, jnp.float16, plan=f16))(p, x)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(
+        e.invars[0].aval.dtype in (jnp.float16, jnp.float32) for e in dots
+    )
+
+
+def test_the_monitor_takes_the_plans_dtype_and_refuses_another(bf16_plan):
+    assert jxp.Monitor(bf16_plan).dtype == np.dtype(jnp.bfloat16)
+    assert jxp.Monitor(bf16_plan, jnp.bfloat16).dtype == np.dtype(jnp.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"`dtype` is float16, but the plan was measured in bfloat16"
+    ):
+        jxp.Monitor(bf16_plan, jnp.float16)
+    unknown = jxp.solve(bf16_plan.measures, cost="H100", budget="16-bit")
+    assert unknown.dtype is None
+    with pytest.raises(ValueError, match=r"`dtype` must be given.*records no dtype"):
+        jxp.Monitor(unknown)
+    assert jxp.Monitor(unknown, jnp.float16).dtype == np.dtype(jnp.float16)
+
+
+def test_json_keeps_the_dtype_and_a_version_1_file_loads_it_unknown(bf16_plan):
+    text = bf16_plan.to_json()
+    doc = json.loads(text)
+    assert doc["version"] == 2 and doc["dtype"] == "bfloat16"
+    assert doc["loss_scale"] == 8.0
+    back = jxp.Plan.from_json(text)
+    assert back == bf16_plan and back.dtype == np.dtype(jnp.bfloat16)
+    del doc["dtype"], doc["loss_scale"]
+    doc["version"] = 1
+    old = jxp.Plan.from_json(json.dumps(doc))
+    assert old.dtype is None and old.loss_scale is None
+    assert old.formats() == bf16_plan.formats()
+    # Unknown: it runs in the dtype autocast is given, unchecked.
+    jax.make_jaxpr(jxs.autocast(loss, jnp.float16, plan=old))(params(), batch(8))
+    doc["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match=r"unknown \['dtype'\]"):
+        jxp.Plan.from_json(json.dumps(doc))
