@@ -6,6 +6,7 @@ traces, and stores each site once."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +106,47 @@ def test_json_keeps_the_dtype_and_a_version_1_file_loads_it_unknown(bf16_plan):
     doc["dtype"] = "bfloat16"
     with pytest.raises(ValueError, match=r"unknown \['dtype'\]"):
         jxp.Plan.from_json(json.dumps(doc))
+
+
+# ------------------------------------------------------------------ item 3
+
+
+def _measures():
+    return [
+        jxp.SiteMeasure(
+            name,
+            (16384, 4096, 6144),
+            (2, 4),
+            {F.FLOAT32: 0.0, F.HALF: 1e-4, F.FLOAT8: e},
+        )
+        for name, e in (("qkv", 3e-3), ("mlp", 1e-3))
+    ]
+
+
+def test_an_edit_that_takes_the_plan_over_its_budget_warns():
+    plan = jxp.solve(_measures(), cost="H100", budget=2e-4)
+    assert plan.within_budget
+    with pytest.warns(
+        jxp.PlanBudgetWarning,
+        match=r"Plan.replace takes the plan over its budget: measured error 0.0031 "
+        r"> budget 2.0e-4; the edited sites, by error: 'qkv' \(0.003\)",
+    ):
+        over = plan.replace("qkv", F.FLOAT8)
+    assert not over.within_budget
+    # Edits that remove error, or stay within the budget, are quiet.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        over.replace("qkv", F.FLOAT32)
+        plan.replace("mlp", F.FLOAT32)
+        jxp.Plan.from_formats(
+            {"qkv": F.HALF, "mlp": F.HALF}, _measures(), cost="H100", budget=2e-4
+        )
+    with pytest.warns(
+        jxp.PlanBudgetWarning,
+        match=r"Plan.from_formats takes the plan over its budget: measured error "
+        r"0.004 > budget 0.001; the edited sites, by error: 'qkv' \(0.003\), "
+        r"'mlp' \(0.001\)",
+    ):
+        jxp.Plan.from_formats(
+            {"qkv": F.FLOAT8, "mlp": F.FLOAT8}, _measures(), cost="H100", budget=1e-3
+        )

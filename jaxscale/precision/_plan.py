@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,9 +32,32 @@ from jaxscale.precision._measure import (
     score,
 )
 
-__all__ = ["Plan", "SitePlan", "site_plan"]
+__all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
 
 _JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 2
+
+
+class PlanBudgetWarning(UserWarning):
+    """An edited plan (:meth:`Plan.replace`, :meth:`Plan.from_formats`) whose
+    measured error exceeds its budget: the message names the sites and the
+    error against the budget. Silence it where that is meant::
+
+        warnings.filterwarnings("ignore", category=PlanBudgetWarning)
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import warnings
+      >>> import jaxscale.precision
+      >>> F = jxs.precision.Format
+      >>> m = jxs.precision.SiteMeasure("mlp", (64, 32, 32), (4, 4),
+      ...                               {F.HALF: 1e-4, F.FLOAT8: 1e-2})
+      >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-3)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = plan.replace("mlp", F.FLOAT8)
+      >>> caught[0].category.__name__
+      'PlanBudgetWarning'
+    """
 
 
 def _time(seconds: float) -> str:
@@ -137,7 +161,14 @@ class Plan:
       {'qkv': <Format.HALF: '16-bit'>, 'mlp': <Format.FLOAT8: 'float8'>}
       >>> round(plan.error, 6), plan.within_budget
       (0.0011, True)
-      >>> edited = plan.replace("qkv", F.FLOAT8)
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     edited = plan.replace("qkv", F.FLOAT8)
+      >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+      Plan.replace takes the plan over its budget: measured error 0.004 > budget
+      0.002; the edited sites, by error: 'qkv' (0.003). Choose more precise
+      formats there, or re-solve with a larger `budget` (`jxs.precision.solve`).
       >>> edited.sites[0].why.startswith("float8: chosen by the user")
       True
       >>> edited.within_budget
@@ -307,17 +338,38 @@ class Plan:
         ]
         plan = cls(tuple(start), measures, float(budget), device, cost)
         for m in measures:
-            plan = plan.replace(m.site, formats[m.site], why=why)
+            plan = plan._edit(m.site, formats[m.site], why)
+        plan._warn_over("Plan.from_formats", list(formats))
         return plan
 
     # ------------------------------------------------------------------ edits
+
+    def _warn_over(self, what: str, edited: list[str]) -> None:
+        """Warns (:class:`PlanBudgetWarning`) if this plan is over its budget,
+        naming the ``edited`` sites that add the most error."""
+        if self.within_budget:
+            return
+        errors = {s.site: s.error for s in self.sites}
+        worst = sorted(edited, key=lambda n: -errors[n])[:8]
+        named = ", ".join(f"{n!r} ({number(errors[n])})" for n in worst)
+        more = " ..." if len(edited) > 8 else ""
+        warnings.warn(
+            f"{what} takes the plan over its budget: measured error "
+            f"{number(self.error)} > budget {number(self.budget)}; the edited "
+            f"sites, by error: {named}{more}. Choose more precise formats there, "
+            "or re-solve with a larger `budget` (`jxs.precision.solve`).",
+            PlanBudgetWarning,
+            stacklevel=3,
+        )
 
     def replace(self, site: str, fmt: Format, why: str | None = None) -> Plan:
         """A copy of this plan with ``site`` in ``fmt``: the user's choice.
 
         The site's time, error and ``why`` ("chosen by the user") are
         recomputed, and so are the totals; the budget stays, and the edited plan
-        may exceed it (:attr:`within_budget` says so, and so does ``print``).
+        may exceed it (:attr:`within_budget` says so, and so does ``print``):
+        an edit that adds error to a plan and leaves it over its budget warns
+        (:class:`PlanBudgetWarning`).
 
         Args:
           site: a site of the plan, by its name-stack path.
@@ -333,6 +385,14 @@ class Plan:
           ValueError: if the plan has no such site, or ``fmt`` was not measured
             there or its range fails there (error ``inf``).
         """
+        reason = "chosen by the user" if why is None else str(why)
+        edited = self._edit(site, fmt, reason)
+        if edited.error > self.error:
+            edited._warn_over("Plan.replace", [site])
+        return edited
+
+    def _edit(self, site: str, fmt: Format, reason: str) -> Plan:
+        """:meth:`replace` without the warning."""
         where = {s.site: i for i, s in enumerate(self.sites)}
         if site not in where:
             raise ValueError(
@@ -356,11 +416,8 @@ class Plan:
                 f"`fmt` {fmt} fails at site {site!r}: its error is inf{note}. "
                 "Choose a format whose range holds there."
             )
-        sites = list(self.sites)
-        reason = "chosen by the user" if why is None else str(why)
-        sites[where[site]] = site_plan(
-            m, fmt, self.cost, _user_why(m, fmt, self.cost, reason)
-        )
+        i, sites = where[site], list(self.sites)
+        sites[i] = site_plan(m, fmt, self.cost, _user_why(m, fmt, self.cost, reason))
         return dataclasses.replace(self, sites=tuple(sites))
 
     # ------------------------------------------------------------------- text
