@@ -375,7 +375,11 @@ def test_the_plan_prints_a_table():
         r"  predicted 29.2 ms: 0.90x the 16-bit time \(32.7 ms\)", lines[1]
     )
     assert lines[2] == "  error 4.0e-4, within the budget 4.0e-4"
-    assert lines[4].split() == [
+    assert lines[3] == (
+        "  formats for the shapes below: the calibration batch's (a step of other "
+        "shapes is re-solved at its own)"
+    )
+    assert lines[5].split() == [
         "site",
         "m",
         "x",

@@ -96,11 +96,16 @@ def test_json_keeps_the_dtype_and_a_version_1_file_loads_it_unknown(bf16_plan):
     assert doc["loss_scale"] == 8.0
     back = jxp.Plan.from_json(text)
     assert back == bf16_plan and back.dtype == np.dtype(jnp.bfloat16)
-    del doc["dtype"], doc["loss_scale"]
+    for key in ("dtype", "loss_scale", "allowed", "traced"):
+        del doc[key]
+    for entry in doc["sites"]:
+        del entry["pinned"]
     doc["version"] = 1
     old = jxp.Plan.from_json(json.dumps(doc))
     assert old.dtype is None and old.loss_scale is None
     assert old.formats() == bf16_plan.formats()
+    # Version 1 has no record of what the user chose: it runs as saved.
+    assert old.pinned == set(old.formats())
     # Unknown: it runs in the dtype autocast is given, unchecked.
     jax.make_jaxpr(jxs.autocast(loss, jnp.float16, plan=old))(params(), batch(8))
     doc["dtype"] = "bfloat16"
@@ -150,3 +155,93 @@ def test_an_edit_that_takes_the_plan_over_its_budget_warns():
         jxp.Plan.from_formats(
             {"qkv": F.FLOAT8, "mlp": F.FLOAT8}, _measures(), cost="H100", budget=1e-3
         )
+
+
+# ------------------------------------------------------------------ item 2
+
+
+def mlp(p, x):
+    return jnp.mean(jax.nn.gelu(x @ p["w1"]) @ p["w2"])
+
+
+def mlp_params(d, ffn):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (d, ffn)) / d**0.5,
+        "w2": jax.random.normal(k2, (ffn, d)) / ffn**0.5,
+    }
+
+
+def dot_dtypes(jaxpr):
+    """The operand dtypes of every dot_general the program runs: at the top
+    level and in calls (``jaxpr``/``call_jaxpr``; not a custom rule's
+    unused alternatives or another platform's branch)."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append((e.invars[0].aval.dtype.name, e.invars[1].aval.dtype.name))
+        for key in ("jaxpr", "call_jaxpr"):
+            inner = getattr(e.params.get(key), "jaxpr", e.params.get(key))
+            if hasattr(inner, "eqns"):
+                out += dot_dtypes(inner)
+    return out
+
+
+def test_plan_at_reprices_each_site_and_keeps_the_users_choices():
+    m = jxp.SiteMeasure("mlp", (64, 768, 3072), (4, 4), {F.FLOAT32: 0.0, F.HALF: 1e-4})
+    n = jxp.SiteMeasure("out", (64, 3072, 768), (4, 4), {F.FLOAT32: 0.0, F.HALF: 1e-4})
+    plan = jxp.solve([m, n], cost="H100", budget=2e-4)
+    assert set(plan.formats().values()) == {F.FLOAT32}  # 64 rows: launch-bound
+    assert "the calibration batch's" in str(plan)
+    big = {"mlp": (8192, 768, 3072), "out": (8192, 3072, 768)}
+    at = plan.at(big)
+    assert at.formats() == {"mlp": F.HALF, "out": F.HALF}
+    assert at.traced and "a traced step's" in str(at)
+    assert [s.shape for s in at.sites] == list(big.values())
+    assert at.budget == plan.budget and at.within_budget
+    assert plan.at(big) is at  # cached per shape set
+    edited = plan.replace("out", F.FLOAT32, why="kept exact")
+    at = edited.at(big)
+    assert at.formats() == {"mlp": F.HALF, "out": F.FLOAT32}
+    assert at.sites[1].why.startswith("float32: kept exact; ")
+    with pytest.raises(ValueError, match=r"`shapes` must give \(m, k, n\) for each"):
+        plan.at({"mlp": (1, 1, 1)})
+    back = jxp.Plan.from_json(edited.to_json())
+    assert back == edited and back.at(big).formats() == at.formats()
+
+
+def test_autocast_runs_the_plan_at_the_traced_step_shapes():
+    d, ffn = 64, 256
+    p = mlp_params(d, ffn)
+    plan = jxs.plan_precision(mlp, jnp.bfloat16, cost="H100")(p, batch(64, d))
+    assert F.FLOAT32 in plan.formats().values()
+    run = jxs.autocast(mlp, jnp.bfloat16, plan=plan)
+    with jax.numpy_dtype_promotion("strict"):
+        small = jax.make_jaxpr(jax.grad(run))(p, batch(64, d))
+        big = jax.make_jaxpr(jax.grad(run))(
+            p, jax.ShapeDtypeStruct((2**20, d), jnp.float32)
+        )
+    assert ("float32", "float32") in dot_dtypes(small.jaxpr)
+    assert dot_dtypes(big.jaxpr) and all(
+        t == ("bfloat16", "bfloat16") for t in dot_dtypes(big.jaxpr)
+    )
+    # And it runs, under jit.
+    with jax.numpy_dtype_promotion("strict"):
+        g = jax.jit(jax.grad(run))(p, batch(64, d))
+    assert g["w1"].dtype == jnp.float32
+
+
+def test_the_default_call_at_gpt2_small_width_runs_8192_rows_in_16_bits():
+    """The literal default call: 64 calibration rows of a d-768, ffn-3072 MLP
+    choose float32 everywhere (launch-bound); the 8192-row step runs no float32
+    site."""
+    p = mlp_params(768, 3072)
+    plan = jxs.plan_precision(mlp, jnp.bfloat16)(p, batch(64, 768))
+    assert F.FLOAT32 in plan.formats().values()
+    run = jxs.autocast(mlp, jnp.bfloat16, plan=plan)
+    with jax.numpy_dtype_promotion("strict"):
+        jaxpr = jax.make_jaxpr(jax.grad(run))(
+            p, jax.ShapeDtypeStruct((8192, 768), jnp.float32)
+        )
+    dots = dot_dtypes(jaxpr.jaxpr)
+    assert len(dots) >= 2 and all(t == ("bfloat16", "bfloat16") for t in dots)

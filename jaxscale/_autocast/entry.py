@@ -315,15 +315,28 @@ def autocast(
         if not enabled or dt == _F32:
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
-        ext = plugin.begin() if plugin is not None else None
-        it = Interpreter(dt, table, HANDLERS, classes=classes, extension=ext)
-        it.fuse_attention = fuse_attention
-        out = interpret(
-            fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
+
+        def run(rule: Any) -> Any:
+            ext = rule.begin() if rule is not None else None
+            ruled = classes if rule is None else {**classes, Slot.PLUGIN: rule}
+            it = Interpreter(dt, table, HANDLERS, classes=ruled, extension=ext)
+            it.fuse_attention = fuse_attention
+            out = interpret(
+                fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
+            )
+            if rule is not None:
+                rule.end(ext)
+            return out
+
+        # A rule that depends on the traced shapes (a plan re-solved at the
+        # step's) finds them in an abstract evaluation first.
+        prepare = getattr(plugin, "prepare", None)
+        rule = (
+            plugin
+            if prepare is None
+            else prepare(lambda r: jax.eval_shape(lambda: run(r)))
         )
-        if plugin is not None:
-            plugin.end(ext)
-        return out
+        return run(rule)
 
     return wrapper
 

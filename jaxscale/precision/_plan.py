@@ -11,6 +11,7 @@ and edited with :meth:`Plan.replace`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -23,13 +24,15 @@ from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
 from jaxscale.internal import check_dtype
 from jaxscale.precision._apply import PlanRule
+from jaxscale.precision._choose import choose
+from jaxscale.precision._json import fields, out, read_score, real, string
 from jaxscale.precision._measure import (
     FORMATS,
+    PRECISION,
     SiteMeasure,
     half_ratio,
     in_order,
     number,
-    score,
 )
 
 __all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
@@ -145,6 +148,11 @@ class Plan:
         version-1 JSON file): it runs in the autocast dtype given, unchecked.
       loss_scale: the loss scale the gradients were measured at (``None``:
         unknown).
+      allowed: the formats the solver may choose (``solve``'s ``allowed``).
+      pinned: the sites whose format the user chose (:meth:`replace`,
+        :meth:`from_formats`): kept when the plan is re-solved (:meth:`at`).
+      traced: whether the sites' shapes are a traced step's (:meth:`at`), not
+        the calibration batch's.
 
     Examples:
       >>> import jaxscale as jxs
@@ -184,8 +192,12 @@ class Plan:
     cost: DeviceCost
     dtype: np.dtype | None = None
     loss_scale: float | None = None
+    allowed: tuple[Format, ...] = PRECISION
+    pinned: frozenset[str] = frozenset()
+    traced: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "pinned", frozenset(self.pinned))
         if self.dtype is not None:
             dtype = check_dtype(self.dtype)
             if dtype == np.float32:
@@ -241,14 +253,62 @@ class Plan:
         return self.error <= self.budget
 
     def formats(self) -> dict[str, Format]:
-        """``{site: Format}``, in site order."""
+        """``{site: Format}``, in site order: the formats at the shapes in
+        :attr:`sites` (the calibration batch's, unless :attr:`traced`). A step
+        of other shapes runs :meth:`at` its own shapes."""
         return {s.site: s.format for s in self.sites}
+
+    def at(self, shapes: Mapping[str, tuple[int, int, int]]) -> Plan:
+        """This plan re-solved for a step of other shapes: each site priced at
+        ``shapes[site]`` (``(m, k, n)``) and the formats chosen again under the
+        plan's budget, with the errors measured, the ``allowed`` formats and the
+        user's choices (:attr:`pinned`) kept. What ``jxs.autocast(f, dtype,
+        plan=plan)`` runs at the shapes it traces. Deterministic, and cached.
+
+        Args:
+          shapes: ``{site: (m, k, n)}`` for every site of the plan.
+
+        Returns:
+          The :class:`Plan` at those shapes (``traced`` set).
+
+        Raises:
+          ValueError: if ``shapes`` names other sites, or no plan of those
+            shapes meets the budget.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure("mlp", (64, 768, 3072), (4, 4),
+          ...     {F.FLOAT32: 0.0, F.HALF: 1e-4})
+          >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-4)
+          >>> plan.formats()  # 64 rows: launch-bound, float32 as fast
+          {'mlp': <Format.FLOAT32: 'float32'>}
+          >>> plan.at({"mlp": (8192, 768, 3072)}).formats()
+          {'mlp': <Format.HALF: '16-bit'>}
+        """
+        names = [s.site for s in self.sites]
+        if not isinstance(shapes, Mapping) or set(shapes) != set(names):
+            got = list(shapes) if isinstance(shapes, Mapping) else shapes
+            raise ValueError(
+                f"`shapes` must give (m, k, n) for each site of the plan, {names}; "
+                f"got {got!r}."
+            )
+        return _at(self, tuple(tuple(shapes[n]) for n in names))
 
     def autocast_rule(self) -> PlanRule:
         """The autocast rule that runs each site in its format: what
-        ``jxs.autocast(f, dtype, plan=plan)`` calls this for."""
+        ``jxs.autocast(f, dtype, plan=plan)`` calls this for. At trace time
+        it runs the plan :meth:`at` the traced shapes."""
         formats = tuple((s.site, s.format) for s in self.sites)
-        return PlanRule(formats, f"the plan ({len(formats)} sites)")
+        return PlanRule(formats, f"the plan ({len(formats)} sites)", self._formats_at)
+
+    def _formats_at(self, shapes: Mapping[str, tuple]) -> tuple:
+        """The ``(site, Format)`` pairs of the plan :meth:`at` ``shapes`` (a
+        site missing from ``shapes`` keeps its own)."""
+        if set(shapes) != {s.site for s in self.sites}:
+            return tuple((s.site, s.format) for s in self.sites)
+        return tuple(self.at(shapes).formats().items())
 
     def with_dtype(self, dtype: Any, loss_scale: float | None = None) -> Plan:
         """This plan's formats, to run in ``dtype``: an explicit override.
@@ -418,7 +478,8 @@ class Plan:
             )
         i, sites = where[site], list(self.sites)
         sites[i] = site_plan(m, fmt, self.cost, _user_why(m, fmt, self.cost, reason))
-        return dataclasses.replace(self, sites=tuple(sites))
+        pinned = self.pinned | {site}
+        return dataclasses.replace(self, sites=tuple(sites), pinned=pinned)
 
     # ------------------------------------------------------------------- text
 
@@ -431,6 +492,13 @@ class Plan:
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
             f"({_time(self.half_seconds)})",
             f"  error {number(self.error)}, {state} the budget {number(self.budget)}",
+            "  formats for the shapes below: "
+            + (
+                "a traced step's"
+                if self.traced
+                else "the calibration batch's (a step of other shapes is "
+                "re-solved at its own)"
+            ),
             "",
         ]
         rows = [["site", "m x k x n", "format", "time", "error", "why"]]
@@ -467,13 +535,14 @@ class Plan:
                     "site": s.site,
                     "shape": list(s.shape),
                     "operand_bytes": list(m.operand_bytes),
-                    "errors": {f.value: _out(e) for f, e in m.errors.items()},
+                    "errors": {f.value: out(e) for f, e in m.errors.items()},
                     "notes": {f.value: n for f, n in m.notes.items()},
                     "runs": m.runs,
                     "format": s.format.value,
                     "seconds": s.seconds,
                     "half_seconds": s.half_seconds,
                     "why": s.why,
+                    "pinned": s.site in self.pinned,
                 }
             )
         doc = {
@@ -481,9 +550,11 @@ class Plan:
             "version": _JSON_VERSION,
             "device": self.device,
             "cost": self.cost._asdict(),
-            "budget": _out(self.budget),
+            "budget": out(self.budget),
             "dtype": None if self.dtype is None else self.dtype.name,
             "loss_scale": self.loss_scale,
+            "allowed": [f.value for f in self.allowed],
+            "traced": self.traced,
             "sites": sites,
         }
         return json.dumps(doc, indent=1, allow_nan=False)
@@ -521,16 +592,19 @@ class Plan:
         try:
             # Version 1 has no dtype or loss scale: both unknown (None).
             v1 = doc["version"] == 1
-            _fields("the plan", doc, _PLAN_FIELDS - _V2 if v1 else _PLAN_FIELDS)
-            _fields("`cost`", doc["cost"], set(DeviceCost._fields))
+            fields("the plan", doc, _PLAN_FIELDS - _V2 if v1 else _PLAN_FIELDS)
+            fields("`cost`", doc["cost"], set(DeviceCost._fields))
             name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
-            cost = DeviceCost(_text("`cost.name`", name), *map(_real, figures))
+            cost = DeviceCost(string("`cost.name`", name), *map(real, figures))
             if not isinstance(doc["sites"], list):
                 raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
-            sites, measures = [], []
+            sites, measures, pinned = [], [], []
             for entry in doc["sites"]:
-                _fields("a site", entry, _SITE_FIELDS, optional={"runs"})
-                errors = {Format(f): _in(e) for f, e in entry["errors"].items()}
+                site_fields = _SITE_FIELDS - {"pinned"} if v1 else _SITE_FIELDS
+                fields("a site", entry, site_fields, optional={"runs"})
+                if v1 or entry["pinned"] is True:  # version 1: runs as saved
+                    pinned.append(entry["site"])
+                errors = {Format(f): read_score(e) for f, e in entry["errors"].items()}
                 notes = {Format(f): n for f, n in entry["notes"].items()}
                 m = SiteMeasure(
                     entry["site"],
@@ -546,31 +620,37 @@ class Plan:
                         f"site {m.site!r} is planned in {fmt}, which it has no "
                         "error for."
                     )
-                seconds = _real(entry["seconds"]), _real(entry["half_seconds"])
-                why = _text("`why`", entry["why"])
+                seconds = real(entry["seconds"]), real(entry["half_seconds"])
+                why = string("`why`", entry["why"])
                 sites.append(
                     SitePlan(m.site, m.shape, fmt, m.errors[fmt], *seconds, why)
                 )
                 measures.append(m)
-            device = _text("`device`", doc["device"])
+            device = string("`device`", doc["device"])
             dtype, scale = doc.get("dtype"), doc.get("loss_scale")
             if dtype is not None:
-                dtype = _text("`dtype`", dtype)
-            scale = None if scale is None else _real(scale)
+                dtype = string("`dtype`", dtype)
+            scale = None if scale is None else real(scale)
+            allowed = tuple(
+                map(Format, doc.get("allowed", [f.value for f in PRECISION]))
+            )
             return cls(
                 tuple(sites),
                 tuple(measures),
-                _in(doc["budget"]),
+                read_score(doc["budget"]),
                 device,
                 cost,
                 dtype,
                 scale,
+                allowed,
+                frozenset(pinned),
+                doc.get("traced", False) is True,
             )
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"`text` is not a valid plan: {err}") from None
 
 
-_V2 = frozenset({"dtype", "loss_scale"})
+_V2 = frozenset({"dtype", "loss_scale", "allowed", "traced"})
 _PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | _V2
 _SITE_FIELDS = frozenset(
     {
@@ -584,25 +664,9 @@ _SITE_FIELDS = frozenset(
         "seconds",
         "half_seconds",
         "why",
+        "pinned",
     }
 )
-
-
-def _fields(
-    what: str,
-    doc: Any,
-    expected: frozenset[str] | set[str],
-    optional: frozenset[str] | set[str] = frozenset(),
-) -> None:
-    if not isinstance(doc, dict):
-        raise ValueError(f"{what} must be a JSON object, got {doc!r}.")
-    missing = sorted(expected - set(doc) - set(optional))
-    unknown = sorted(set(doc) - expected)
-    if missing or unknown:
-        raise ValueError(
-            f"{what} must have the fields {sorted(expected)}; missing {missing}, "
-            f"unknown {unknown}."
-        )
 
 
 def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:
@@ -610,21 +674,24 @@ def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:
     return ("an unknown dtype" if dtype is None else dtype.name) + scale
 
 
-def _real(x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        raise ValueError(f"a time or figure must be a number, got {x!r}.")
-    return float(x)
-
-
-def _text(what: str, x: Any) -> str:
-    if not isinstance(x, str):
-        raise ValueError(f"{what} must be a string, got {x!r}.")
-    return x
-
-
-def _out(x: float) -> float | str:
-    return "inf" if x == math.inf else x
-
-
-def _in(x: Any) -> float:
-    return math.inf if x == "inf" else score("an error score or budget", x)
+@functools.lru_cache(maxsize=64)
+def _at(plan: Plan, shapes: tuple[tuple[int, int, int], ...]) -> Plan:
+    """:meth:`Plan.at`, cached per plan and shapes."""
+    measures = tuple(
+        dataclasses.replace(m, shape=shape)
+        for m, shape in zip(plan.measures, shapes, strict=True)
+    )
+    pinned = {s.site: s.format for s in plan.sites if s.site in plan.pinned}
+    chosen = choose(measures, plan.cost, plan.budget, frozenset(plan.allowed), pinned)
+    if chosen is None:
+        raise ValueError(
+            f"`plan` at the traced shapes: no choice meets its budget "
+            f"{number(plan.budget)} with the user's choices kept "
+            f"({', '.join(sorted(plan.pinned))}). Edit fewer sites, or re-solve."
+        )
+    sites = []
+    for m, s, (fmt, why) in zip(measures, plan.sites, chosen, strict=True):
+        if s.site in plan.pinned:  # "fmt: reason; 0.93x the 16-bit time, ..."
+            why = _user_why(m, fmt, plan.cost, s.why.split(": ", 1)[-1].rsplit("; ")[0])
+        sites.append(site_plan(m, fmt, plan.cost, why))
+    return dataclasses.replace(plan, sites=tuple(sites), measures=measures, traced=True)
