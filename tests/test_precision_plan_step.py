@@ -225,6 +225,10 @@ def test_autocast_runs_the_plan_at_the_traced_step_shapes():
     assert dot_dtypes(big.jaxpr) and all(
         t == ("bfloat16", "bfloat16") for t in dot_dtypes(big.jaxpr)
     )
+    # The report runs the plan as autocast does: at the shapes it is given.
+    report = jxs.diagnostics.autocast_report(mlp, jnp.bfloat16, plan=plan)
+    rows = jax.ShapeDtypeStruct((2**20, d), jnp.float32)
+    assert dict(report(p, rows).by_primitive["dot_general"]) == {"bfloat16": 2}
     # And it runs, under jit.
     with jax.numpy_dtype_promotion("strict"):
         g = jax.jit(jax.grad(run))(p, batch(64, d))
@@ -245,3 +249,21 @@ def test_the_default_call_at_gpt2_small_width_runs_8192_rows_in_16_bits():
         )
     dots = dot_dtypes(jaxpr.jaxpr)
     assert len(dots) >= 2 and all(t == ("bfloat16", "bfloat16") for t in dots)
+
+
+# ------------------------------------------------- issue 48 item 7: stored once
+
+
+def test_a_plan_stores_each_site_once_and_derives_its_sites(bf16_plan):
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(jxp.Plan)]
+    assert "measures" in names and "choices" in names and "sites" not in names
+    for s, m, (fmt, why) in zip(
+        bf16_plan.sites, bf16_plan.measures, bf16_plan.choices, strict=True
+    ):
+        assert (s.site, s.shape, s.format, s.why) == (m.site, m.shape, fmt, why)
+        assert s.error == m.errors[fmt]
+        assert s.seconds == m.seconds(fmt, bf16_plan.cost)
+    with pytest.raises(ValueError, match=r"`choices` must give one \(format, why\)"):
+        dataclasses.replace(bf16_plan, choices=bf16_plan.choices[:1])

@@ -134,10 +134,13 @@ class Plan:
     :meth:`to_json` and :meth:`from_json` save and load it exactly;
     :meth:`formats` gives ``{site: Format}``; :meth:`replace` edits one site.
 
+    Each site is stored once: its measure and its ``(format, why)``;
+    :attr:`sites` is derived from them (and the cost).
+
     Attributes:
-      sites: one :class:`SitePlan` per site, in the order of the measures.
-      measures: the :class:`SiteMeasure` of each site, in the same order (what
-        :meth:`replace` reads).
+      measures: the :class:`SiteMeasure` of each site, in the order the
+        function meets them (what :meth:`replace` and :meth:`at` read).
+      choices: ``(format, why)`` per site, in the same order.
       budget: the error budget the plan was solved for.
       device: the device kind whose figures the times are predicted with.
       cost: those figures (a ``DeviceCost``).
@@ -185,8 +188,8 @@ class Plan:
       True
     """
 
-    sites: tuple[SitePlan, ...]
     measures: tuple[SiteMeasure, ...]
+    choices: tuple[tuple[Format, str], ...]
     budget: float
     device: str
     cost: DeviceCost
@@ -218,16 +221,32 @@ class Plan:
                     f"`loss_scale` must be finite and positive, got {scale!r}."
                 )
             object.__setattr__(self, "loss_scale", float(scale))
-        names = [s.site for s in self.sites]
+        object.__setattr__(self, "measures", tuple(self.measures))
+        object.__setattr__(self, "choices", tuple(map(tuple, self.choices)))
+        names = [m.site for m in self.measures]
         if not names or len(set(names)) != len(names):
             raise ValueError(
                 f"`sites` must name at least one site, each once, got {names}."
             )
-        if names != [m.site for m in self.measures]:
+        if len(self.choices) != len(names):
             raise ValueError(
-                "`sites` and `measures` must name the same sites in the same "
-                f"order, got {names} and {[m.site for m in self.measures]}."
+                f"`choices` must give one (format, why) per site of `measures` "
+                f"({len(names)}), got {len(self.choices)}."
             )
+        for m, (fmt, _) in zip(self.measures, self.choices, strict=True):
+            if fmt not in m.errors:
+                raise ValueError(
+                    f"site {m.site!r} is planned in {fmt}, which it has no error for."
+                )
+
+    @functools.cached_property
+    def sites(self) -> tuple[SitePlan, ...]:
+        """One :class:`SitePlan` per site (derived from :attr:`measures`,
+        :attr:`choices` and the cost), in site order."""
+        return tuple(
+            site_plan(m, fmt, self.cost, why)
+            for m, (fmt, why) in zip(self.measures, self.choices, strict=True)
+        )
 
     # ----------------------------------------------------------------- totals
 
@@ -393,10 +412,8 @@ class Plan:
             )
         # Any measured format first, then each site edited to its own (which
         # checks that it was measured there and holds).
-        start = [
-            site_plan(m, min(m.errors, key=m.errors.get), cost, why) for m in measures
-        ]
-        plan = cls(tuple(start), measures, float(budget), device, cost)
+        start = tuple((min(m.errors, key=m.errors.get), why) for m in measures)
+        plan = cls(measures, start, float(budget), device, cost)
         for m in measures:
             plan = plan._edit(m.site, formats[m.site], why)
         plan._warn_over("Plan.from_formats", list(formats))
@@ -476,10 +493,10 @@ class Plan:
                 f"`fmt` {fmt} fails at site {site!r}: its error is inf{note}. "
                 "Choose a format whose range holds there."
             )
-        i, sites = where[site], list(self.sites)
-        sites[i] = site_plan(m, fmt, self.cost, _user_why(m, fmt, self.cost, reason))
+        i, choices = where[site], list(self.choices)
+        choices[i] = (fmt, _user_why(m, fmt, self.cost, reason))
         pinned = self.pinned | {site}
-        return dataclasses.replace(self, sites=tuple(sites), pinned=pinned)
+        return dataclasses.replace(self, choices=tuple(choices), pinned=pinned)
 
     # ------------------------------------------------------------------- text
 
@@ -615,16 +632,9 @@ class Plan:
                     entry.get("runs", 1),
                 )
                 fmt = Format(entry["format"])
-                if fmt not in m.errors:
-                    raise ValueError(
-                        f"site {m.site!r} is planned in {fmt}, which it has no "
-                        "error for."
-                    )
-                seconds = real(entry["seconds"]), real(entry["half_seconds"])
-                why = string("`why`", entry["why"])
-                sites.append(
-                    SitePlan(m.site, m.shape, fmt, m.errors[fmt], *seconds, why)
-                )
+                # The times are written for readers; the plan derives them.
+                real(entry["seconds"]), real(entry["half_seconds"])
+                sites.append((fmt, string("`why`", entry["why"])))
                 measures.append(m)
             device = string("`device`", doc["device"])
             dtype, scale = doc.get("dtype"), doc.get("loss_scale")
@@ -635,8 +645,8 @@ class Plan:
                 map(Format, doc.get("allowed", [f.value for f in PRECISION]))
             )
             return cls(
-                tuple(sites),
                 tuple(measures),
+                tuple(sites),
                 read_score(doc["budget"]),
                 device,
                 cost,
@@ -689,9 +699,11 @@ def _at(plan: Plan, shapes: tuple[tuple[int, int, int], ...]) -> Plan:
             f"{number(plan.budget)} with the user's choices kept "
             f"({', '.join(sorted(plan.pinned))}). Edit fewer sites, or re-solve."
         )
-    sites = []
-    for m, s, (fmt, why) in zip(measures, plan.sites, chosen, strict=True):
-        if s.site in plan.pinned:  # "fmt: reason; 0.93x the 16-bit time, ..."
-            why = _user_why(m, fmt, plan.cost, s.why.split(": ", 1)[-1].rsplit("; ")[0])
-        sites.append(site_plan(m, fmt, plan.cost, why))
-    return dataclasses.replace(plan, sites=tuple(sites), measures=measures, traced=True)
+    choices = []
+    for m, (_, old), (fmt, why) in zip(measures, plan.choices, chosen, strict=True):
+        if m.site in plan.pinned:  # "fmt: reason; 0.93x the 16-bit time, ..."
+            why = _user_why(m, fmt, plan.cost, old.split(": ", 1)[-1].rsplit("; ")[0])
+        choices.append((fmt, why))
+    return dataclasses.replace(
+        plan, measures=measures, choices=tuple(choices), traced=True
+    )

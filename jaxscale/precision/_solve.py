@@ -23,7 +23,7 @@ from jaxscale.precision._measure import (
     in_order,
     number,
 )
-from jaxscale.precision._plan import Plan, site_plan
+from jaxscale.precision._plan import Plan
 
 __all__ = ["feasible_time", "frontier", "half_error", "picoseconds", "solve"]
 
@@ -211,11 +211,8 @@ def solve(
             f"(`allowed`: {', '.join(f.value for f in PRECISION if f in allowed)}), "
             "or measure float32 where it is missing."
         )
-    sites = tuple(
-        site_plan(m, f, cost, why) for m, (f, why) in zip(measures, chosen, strict=True)
-    )
     allow = tuple(f for f in PRECISION if f in allowed)
-    return Plan(sites, measures, limit, device, cost, allowed=allow)
+    return Plan(measures, tuple(chosen), limit, device, cost, allowed=allow)
 
 
 def _no_format(m: SiteMeasure, usable: list[Format], allowed: frozenset[Format]):
