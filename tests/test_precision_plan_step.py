@@ -267,3 +267,10 @@ def test_a_plan_stores_each_site_once_and_derives_its_sites(bf16_plan):
         assert s.seconds == m.seconds(fmt, bf16_plan.cost)
     with pytest.raises(ValueError, match=r"`choices` must give one \(format, why\)"):
         dataclasses.replace(bf16_plan, choices=bf16_plan.choices[:1])
+
+
+def test_equal_plans_give_equal_rules(bf16_plan):
+    again = jxp.Plan.from_json(bf16_plan.to_json())
+    assert again is not bf16_plan
+    assert bf16_plan.autocast_rule() == again.autocast_rule()
+    assert hash(bf16_plan.autocast_rule()) == hash(again.autocast_rule())

@@ -1,5 +1,6 @@
-"""A plan's JSON: the checks :meth:`~jaxscale.precision.Plan.from_json` reads
-fields with, and how error scores are written (``inf`` as ``"inf"``)."""
+"""A plan's text: :func:`duration` for its table; for its JSON, the checks
+:meth:`~jaxscale.precision.Plan.from_json` reads fields with, and how error
+scores are written (``inf`` as ``"inf"``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from jaxscale.precision._measure import score
 
-__all__ = ["fields", "out", "read_score", "real", "string"]
+__all__ = ["duration", "fields", "out", "read_score", "real", "string"]
 
 
 def fields(
@@ -46,3 +47,11 @@ def out(x: float) -> float | str:
 
 def read_score(x: Any) -> float:
     return math.inf if x == "inf" else score("an error score or budget", x)
+
+
+def duration(seconds: float) -> str:
+    """``29.2 ms``, ``12 us``: a predicted time."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"

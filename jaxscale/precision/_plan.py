@@ -25,7 +25,14 @@ from jaxscale._speed import Format
 from jaxscale.internal import check_dtype
 from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._choose import choose
-from jaxscale.precision._json import fields, out, read_score, real, string
+from jaxscale.precision._json import (
+    duration,
+    fields,
+    out,
+    read_score,
+    real,
+    string,
+)
 from jaxscale.precision._measure import (
     FORMATS,
     PRECISION,
@@ -33,6 +40,7 @@ from jaxscale.precision._measure import (
     half_ratio,
     in_order,
     number,
+    score,
 )
 
 __all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
@@ -61,13 +69,6 @@ class PlanBudgetWarning(UserWarning):
       >>> caught[0].category.__name__
       'PlanBudgetWarning'
     """
-
-
-def _time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,18 +210,11 @@ class Plan:
                     "(bfloat16 or float16) or None (unknown), got float32."
                 )
             object.__setattr__(self, "dtype", dtype)
-        if self.loss_scale is not None:
-            scale = self.loss_scale
-            if isinstance(scale, bool) or not isinstance(scale, int | float):
-                raise TypeError(
-                    "`loss_scale` must be a number or None (unknown), got "
-                    f"{type(scale).__name__} {scale!r}."
-                )
-            if not (math.isfinite(scale) and scale > 0):
-                raise ValueError(
-                    f"`loss_scale` must be finite and positive, got {scale!r}."
-                )
-            object.__setattr__(self, "loss_scale", float(scale))
+        if self.loss_scale is not None:  # a number (TypeError), >= 0, not NaN
+            scale = score("`loss_scale`", self.loss_scale)
+            if not 0 < scale < math.inf:
+                raise ValueError(f"`loss_scale` must be finite and > 0, got {scale}.")
+            object.__setattr__(self, "loss_scale", scale)
         object.__setattr__(self, "measures", tuple(self.measures))
         object.__setattr__(self, "choices", tuple(map(tuple, self.choices)))
         names = [m.site for m in self.measures]
@@ -320,14 +314,7 @@ class Plan:
         ``jxs.autocast(f, dtype, plan=plan)`` calls this for. At trace time
         it runs the plan :meth:`at` the traced shapes."""
         formats = tuple((s.site, s.format) for s in self.sites)
-        return PlanRule(formats, f"the plan ({len(formats)} sites)", self._formats_at)
-
-    def _formats_at(self, shapes: Mapping[str, tuple]) -> tuple:
-        """The ``(site, Format)`` pairs of the plan :meth:`at` ``shapes`` (a
-        site missing from ``shapes`` keeps its own)."""
-        if set(shapes) != {s.site for s in self.sites}:
-            return tuple((s.site, s.format) for s in self.sites)
-        return tuple(self.at(shapes).formats().items())
+        return PlanRule(formats, f"the plan ({len(formats)} sites)", _AtShapes(self))
 
     def with_dtype(self, dtype: Any, loss_scale: float | None = None) -> Plan:
         """This plan's formats, to run in ``dtype``: an explicit override.
@@ -505,9 +492,9 @@ class Plan:
         lines = [
             f"precision plan: {len(self.sites)} sites on {self.device}, "
             f"measured in {_measured(self.dtype, self.loss_scale)}",
-            f"  predicted {_time(self.seconds)}: "
+            f"  predicted {duration(self.seconds)}: "
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
-            f"({_time(self.half_seconds)})",
+            f"({duration(self.half_seconds)})",
             f"  error {number(self.error)}, {state} the budget {number(self.budget)}",
             "  formats for the shapes below: "
             + (
@@ -526,7 +513,7 @@ class Plan:
                     s.site,
                     " x ".join(map(str, s.shape)) + runs,
                     s.format.value,
-                    _time(s.seconds),
+                    duration(s.seconds),
                     number(s.error),
                     s.why,
                 ]
@@ -682,6 +669,20 @@ _SITE_FIELDS = frozenset(
 def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:
     scale = "" if loss_scale is None else f" at loss scale {number(loss_scale)}"
     return ("an unknown dtype" if dtype is None else dtype.name) + scale
+
+
+@dataclasses.dataclass(frozen=True)
+class _AtShapes:
+    """The ``(site, Format)`` pairs of ``plan`` :meth:`~Plan.at` the traced
+    shapes (a plan's rule's ``resolve``); equal for equal plans, so equal
+    plans give equal rules (JAX's compilation cache)."""
+
+    plan: Plan
+
+    def __call__(self, shapes: Mapping[str, tuple]) -> tuple:
+        if set(shapes) != {m.site for m in self.plan.measures}:
+            return tuple(self.plan.formats().items())  # PlanRule says which
+        return tuple(self.plan.at(shapes).formats().items())
 
 
 @functools.lru_cache(maxsize=64)
