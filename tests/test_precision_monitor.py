@@ -113,7 +113,8 @@ def test_a_site_near_float16s_limit_is_raised_and_lowered_back_when_calm():
 
 def test_float8_flushes_are_trouble():
     p = params()
-    plan = half_plan(p).replace(TOP, F.FLOAT8)
+    with pytest.warns(jxp.PlanBudgetWarning):
+        plan = half_plan(p).replace(TOP, F.FLOAT8)
     mon = jxp.Monitor(plan, jnp.float16, patience=1)
     x = x_of(1.0).at[0, 0].set(1e6)  # one outlier: the rest flush per tensor
     _, _, state, seen = step_fn(mon)(p, mon.init(), x)

@@ -368,12 +368,18 @@ def test_the_plan_prints_a_table():
     plan = jxp.solve(three_sites(), cost="H100", budget="16-bit")
     text = str(plan)
     lines = text.splitlines()
-    assert lines[0] == "precision plan: 3 sites on NVIDIA H100 SXM"
+    assert lines[0] == (
+        "precision plan: 3 sites on NVIDIA H100 SXM, measured in an unknown dtype"
+    )
     assert re.fullmatch(
         r"  predicted 29.2 ms: 0.90x the 16-bit time \(32.7 ms\)", lines[1]
     )
     assert lines[2] == "  error 4.0e-4, within the budget 4.0e-4"
-    assert lines[4].split() == [
+    assert lines[3] == (
+        "  formats for the shapes below: the calibration batch's (a step of other "
+        "shapes is re-solved at its own)"
+    )
+    assert lines[5].split() == [
         "site",
         "m",
         "x",
@@ -394,13 +400,15 @@ def test_the_plan_prints_a_table():
     )
     down = next(line for line in lines if "mlp_down" in line)
     assert down.endswith("float8 (0.85x, amax beyond e4m3 after scaling) fails here")
-    over = plan.replace("GPT/block_0/qkv", F.FLOAT8)
+    with pytest.warns(jxp.PlanBudgetWarning):
+        over = plan.replace("GPT/block_0/qkv", F.FLOAT8)
     assert "  error 0.0033, OVER the budget 4.0e-4" in str(over).splitlines()
 
 
 def test_replace_is_the_users_edit():
     plan = jxp.solve(three_sites(), cost="H100", budget="16-bit")
-    edited = plan.replace("GPT/block_0/qkv", F.FLOAT8)
+    with pytest.warns(jxp.PlanBudgetWarning):
+        edited = plan.replace("GPT/block_0/qkv", F.FLOAT8)
     assert plan.formats()["GPT/block_0/qkv"] is F.HALF  # unchanged
     assert edited.formats() == {**plan.formats(), "GPT/block_0/qkv": F.FLOAT8}
     s = edited.sites[0]
@@ -442,9 +450,11 @@ def test_replace_refuses_what_it_cannot_price():
 
 def test_json_round_trips_exactly():
     plan = jxp.solve(three_sites(), cost="H100", budget="16-bit")
+    with pytest.warns(jxp.PlanBudgetWarning):
+        edited = plan.replace("GPT/block_0/qkv", F.FLOAT8)
     for p in (
         plan,
-        plan.replace("GPT/block_0/qkv", F.FLOAT8),
+        edited,
         jxp.solve(realistic(20, 4), cost="NVIDIA H200", budget=math.inf),
     ):
         text = p.to_json()
@@ -454,7 +464,7 @@ def test_json_round_trips_exactly():
         assert back == p and hash(back) == hash(p)
         assert back.to_json() == text and str(back) == str(p)
     doc = json.loads(plan.to_json())
-    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 1
+    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 2
     assert doc["sites"][2]["errors"]["float8"] == "inf"
 
 
@@ -475,10 +485,10 @@ def test_bad_json_raises_clearly():
         jxp.Plan.from_json("[]")
     with pytest.raises(
         ValueError,
-        match=r"reads plans of version 1, got version 2: load it with the jaxscale "
-        r"that wrote it",
+        match=r"reads plans of versions 1 and 2, got version 3: load it with the "
+        r"jaxscale that wrote it",
     ):
-        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=2, extra=1)))
+        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=3, extra=1)))
     with pytest.raises(ValueError, match=r"missing \[\], unknown \['comment'\]"):
         jxp.Plan.from_json(_edited(plan, lambda d: d.update(comment="mine")))
     with pytest.raises(

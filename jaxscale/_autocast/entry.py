@@ -44,6 +44,7 @@ from jaxscale._policy import parse_float_dtype
 __all__ = [
     "autocast",
     "check_dtype",
+    "check_plan_dtype",
     "interpret",
     "names_dot",
     "resolve",
@@ -278,6 +279,7 @@ def autocast(
     """
     float8 = with_plan(plan, float8)
     dt, table, classes, plugin = resolve(dtype, rules, float8)
+    check_plan_dtype(plan, dt)
     wide = gradient_policy(gradient_dtype, dt)
     for name, flag in (
         ("enabled", enabled),
@@ -313,15 +315,28 @@ def autocast(
         if not enabled or dt == _F32:
             with jax.named_scope(_DISABLED):
                 return fun(*args, **kwargs)
-        ext = plugin.begin() if plugin is not None else None
-        it = Interpreter(dt, table, HANDLERS, classes=classes, extension=ext)
-        it.fuse_attention = fuse_attention
-        out = interpret(
-            fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
+
+        def run(rule: Any) -> Any:
+            ext = rule.begin() if rule is not None else None
+            ruled = classes if rule is None else {**classes, Slot.PLUGIN: rule}
+            it = Interpreter(dt, table, HANDLERS, classes=ruled, extension=ext)
+            it.fuse_attention = fuse_attention
+            out = interpret(
+                fun, it, args, kwargs, cast_outputs=bool(cast_outputs), wide=wide
+            )
+            if rule is not None:
+                rule.end(ext)
+            return out
+
+        # A rule that depends on the traced shapes (a plan re-solved at the
+        # step's) finds them in an abstract evaluation first.
+        prepare = getattr(plugin, "prepare", None)
+        rule = (
+            plugin
+            if prepare is None
+            else prepare(lambda r: jax.eval_shape(lambda: run(r)))
         )
-        if plugin is not None:
-            plugin.end(ext)
-        return out
+        return run(rule)
 
     return wrapper
 
@@ -345,6 +360,22 @@ def with_plan(plan: Any, float8: Any) -> Any:
             f"`jxs.precision.solve`), got {type(plan).__name__}."
         )
     return rule
+
+
+def check_plan_dtype(plan: Any, dtype: np.dtype) -> None:
+    """Raises if ``plan`` records a 16-bit dtype (``plan.dtype``) other than
+    the autocast ``dtype``: its errors were measured in that one."""
+    planned = getattr(plan, "dtype", None)
+    if planned is None or dtype == _F32 or np.dtype(planned) == dtype:
+        return
+    raise ValueError(
+        f"`plan` was measured in {np.dtype(planned).name}, but autocast `dtype` is "
+        f"{dtype.name}: its errors say nothing of {dtype.name} (float16's range "
+        "and bfloat16's precision differ). Pass `dtype="
+        f"jnp.{np.dtype(planned).name}`, measure a plan in {dtype.name} "
+        f"(`jxs.plan_precision(loss, jnp.{dtype.name})`), or override it knowingly "
+        f"with `plan.with_dtype(jnp.{dtype.name})`."
+    )
 
 
 def resolve(

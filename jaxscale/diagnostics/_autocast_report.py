@@ -443,16 +443,34 @@ def autocast_report(
                 "pass arrays (not `jax.ShapeDtypeStruct`), and call its function "
                 "outside `jax.jit` and other transformations."
             )
-        ext = plugin.begin() if plugin is not None else None
-        census = Census(dt, table, HANDLERS, classes=classes, extension=ext)
+        rule, ruled = plugin, classes
+        if getattr(plugin, "prepare", None) is not None:  # a plan: at these shapes
+
+            def trace(r: Any) -> None:
+                c = Census(
+                    dt,
+                    table,
+                    HANDLERS,
+                    classes={**classes, Slot.PLUGIN: r},
+                    extension=r.begin(),
+                )
+                pure, arrays = _abstract_pure(
+                    lambda *a, **kw: interpret(fun, c, a, kw, wide=wide), args, kwargs
+                )
+                jax.eval_shape(pure, arrays)
+
+            rule = plugin.prepare(trace)
+            ruled = {**classes, Slot.PLUGIN: rule}
+        ext = rule.begin() if rule is not None else None
+        census = Census(dt, table, HANDLERS, classes=ruled, extension=ext)
         pure, arrays = _abstract_pure(
             lambda *a, **kw: interpret(fun, census, a, kw, wide=wide), args, kwargs
         )
         jax.eval_shape(pure, arrays)
         deviation = None
         if compare:
-            ext = plugin.begin() if plugin is not None else None
-            it = Compare(dt, table, INLINE_HANDLERS, classes=classes, extension=ext)
+            ext = rule.begin() if rule is not None else None
+            it = Compare(dt, table, INLINE_HANDLERS, classes=ruled, extension=ext)
             pure, arrays = as_pure(
                 lambda *a, **kw: interpret(fun, it, a, kw, wide=wide), args, kwargs
             )

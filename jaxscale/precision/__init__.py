@@ -26,6 +26,7 @@ from jaxscale.precision._measure import SiteMeasure as SiteMeasure
 from jaxscale.precision._monitor import Monitor as Monitor
 from jaxscale.precision._monitor import MonitorState as MonitorState
 from jaxscale.precision._plan import Plan as Plan
+from jaxscale.precision._plan import PlanBudgetWarning as PlanBudgetWarning
 from jaxscale.precision._plan import SitePlan as SitePlan
 from jaxscale.precision._sensor import Sensor as Sensor
 from jaxscale.precision._sensor import plan_precision as plan_precision
@@ -37,6 +38,7 @@ __all__ = [
     "Monitor",
     "MonitorState",
     "Plan",
+    "PlanBudgetWarning",
     "Sensor",
     "SiteMeasure",
     "SitePlan",

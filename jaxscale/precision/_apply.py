@@ -138,6 +138,19 @@ class SiteRule(PluginRule):
         return _LOWER.out_infos(it, eqn, infos, outs)
 
 
+class _ShapeRule(SiteRule):
+    """Finds each site's ``(m, k, n)`` (in ``shapes``), running it in 16 bits."""
+
+    __slots__ = ("shapes",)
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, int, int]] = {}
+
+    def format_of(self, ctx, name, mkn, eqn, vals, infos):
+        self.shapes.setdefault(name, tuple(mkn))
+        return Format.HALF
+
+
 def _plan_formats(value: Any) -> tuple[tuple[str, Format], ...]:
     if isinstance(value, Mapping):
         value = tuple(value.items())
@@ -171,9 +184,23 @@ class PlanRule(SiteRule):
 
     formats: Any = ()
     origin: str = "the plan"
+    # ``{site: (m, k, n)} -> ((site, Format), ...)``: the formats at a traced
+    # step's shapes (``Plan.at``); ``None``: the formats as given.
+    resolve: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "formats", _plan_formats(self.formats))
+
+    def prepare(self, trace: Any) -> PlanRule:
+        """The rule for one traced step: with ``resolve``, the formats at the
+        step's shapes, which ``trace(rule)`` (an abstract evaluation of the
+        function under ``rule``) finds; else this rule."""
+        if self.resolve is None:
+            return self
+        counter = _ShapeRule()
+        trace(counter)
+        formats = self.resolve(MappingProxyType(counter.shapes))
+        return PlanRule(formats, f"{self.origin} at the traced shapes")
 
     def format_of(self, ctx, name, mkn, eqn, vals, infos):
         fmt = dict(self.formats).get(name)

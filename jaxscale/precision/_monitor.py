@@ -250,6 +250,25 @@ def _agree_counters(plan: Plan, state: MonitorState) -> tuple[np.ndarray, ...]:
     return every[:, 0].max(axis=0), every[:, 1].min(axis=0)
 
 
+def _monitor_dtype(plan: Plan, dtype: Any) -> np.dtype:
+    """The monitor's dtype: ``dtype``, or the plan's; they must agree."""
+    if dtype is None and plan.dtype is None:
+        raise ValueError(
+            "`dtype` must be given (bfloat16 or float16): the plan records no "
+            "dtype (made by `solve` from bare measures, or loaded from a version-1 "
+            "file). Pass the dtype the plan's errors were measured in."
+        )
+    dt = plan.dtype if dtype is None else check_dtype(dtype)
+    if plan.dtype is not None and dt != plan.dtype:
+        raise ValueError(
+            f"`dtype` is {dt.name}, but the plan was measured in {plan.dtype.name}: "
+            f"pass dtype=jnp.{plan.dtype.name} (or leave it out), measure a plan in "
+            f"{dt.name}, or override it knowingly with "
+            f"`plan.with_dtype(jnp.{dt.name})`."
+        )
+    return dt
+
+
 def _order(plan: Plan) -> list[Format]:
     return [s.format for s in plan.sites]
 
@@ -276,7 +295,9 @@ class Monitor:
     Args:
       plan: the :class:`~jaxscale.precision.Plan` to run (its sites in the
         order the function meets them, as the sensor made it).
-      dtype: the 16-bit autocast dtype.
+      dtype: the 16-bit autocast dtype (default: the plan's ``dtype``; a
+        plan that records none needs it given). Another dtype than the plan's
+        raises.
       patience: troubled steps in a row that raise a site.
       window: quiet steps in a row that lower a raised site.
       headroom: a float16 output whose largest magnitude exceeds
@@ -305,7 +326,7 @@ class Monitor:
     """
 
     plan: Plan
-    dtype: Any = jnp.float16
+    dtype: Any = None
     patience: int = 3
     window: int = 1000
     headroom: float = 4.0
@@ -318,7 +339,7 @@ class Monitor:
                 "`plan` must be a `jxs.precision.Plan` (from `jxs.plan_precision`), "
                 f"got {type(self.plan).__name__}."
             )
-        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+        object.__setattr__(self, "dtype", _monitor_dtype(self.plan, self.dtype))
         for name in ("patience", "window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -11,16 +11,31 @@ and edited with :meth:`Plan.replace`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
+from jaxscale.internal import check_dtype
 from jaxscale.precision._apply import PlanRule
+from jaxscale.precision._choose import choose
+from jaxscale.precision._json import (
+    duration,
+    fields,
+    out,
+    read_score,
+    real,
+    string,
+)
 from jaxscale.precision._measure import (
     FORMATS,
+    PRECISION,
     SiteMeasure,
     half_ratio,
     in_order,
@@ -29,16 +44,32 @@ from jaxscale.precision._measure import (
 )
 from jaxscale.precision._sites import TOP_LEVEL
 
-__all__ = ["Plan", "SitePlan", "site_plan"]
+__all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
 
-_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 1
+_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 2
 
 
-def _time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+class PlanBudgetWarning(UserWarning):
+    """An edited plan (:meth:`Plan.replace`, :meth:`Plan.from_formats`) whose
+    measured error exceeds its budget: the message names the sites and the
+    error against the budget. Silence it where that is meant::
+
+        warnings.filterwarnings("ignore", category=PlanBudgetWarning)
+
+    Examples:
+      >>> import jaxscale as jxs
+      >>> import warnings
+      >>> import jaxscale.precision
+      >>> F = jxs.precision.Format
+      >>> m = jxs.precision.SiteMeasure("mlp", (64, 32, 32), (4, 4),
+      ...                               {F.HALF: 1e-4, F.FLOAT8: 1e-2})
+      >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-3)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = plan.replace("mlp", F.FLOAT8)
+      >>> caught[0].category.__name__
+      'PlanBudgetWarning'
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +136,28 @@ class Plan:
     :meth:`to_json` and :meth:`from_json` save and load it exactly;
     :meth:`formats` gives ``{site: Format}``; :meth:`replace` edits one site.
 
+    Each site is stored once: its measure and its ``(format, why)``;
+    :attr:`sites` is derived from them (and the cost).
+
     Attributes:
-      sites: one :class:`SitePlan` per site, in the order of the measures.
-      measures: the :class:`SiteMeasure` of each site, in the same order (what
-        :meth:`replace` reads).
+      measures: the :class:`SiteMeasure` of each site, in the order the
+        function meets them (what :meth:`replace` and :meth:`at` read).
+      choices: ``(format, why)`` per site, in the same order.
       budget: the error budget the plan was solved for.
       device: the device kind whose figures the times are predicted with.
       cost: those figures (a ``DeviceCost``).
+      dtype: the 16-bit dtype the sites were measured in (``bfloat16`` or
+        ``float16``), what its 16-bit sites run in: ``jxs.autocast(f, dtype,
+        plan=plan)`` with another dtype raises. ``None``: unknown (a plan
+        :func:`~jaxscale.precision.solve` made from bare measures, or a
+        version-1 JSON file): it runs in the autocast dtype given, unchecked.
+      loss_scale: the loss scale the gradients were measured at (``None``:
+        unknown).
+      allowed: the formats the solver may choose (``solve``'s ``allowed``).
+      pinned: the sites whose format the user chose (:meth:`replace`,
+        :meth:`from_formats`): kept when the plan is re-solved (:meth:`at`).
+      traced: whether the sites' shapes are a traced step's (:meth:`at`), not
+        the calibration batch's.
 
     Examples:
       >>> import jaxscale as jxs
@@ -128,7 +174,14 @@ class Plan:
       {'qkv': <Format.HALF: '16-bit'>, 'mlp': <Format.FLOAT8: 'float8'>}
       >>> round(plan.error, 6), plan.within_budget
       (0.0011, True)
-      >>> edited = plan.replace("qkv", F.FLOAT8)
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     edited = plan.replace("qkv", F.FLOAT8)
+      >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+      Plan.replace takes the plan over its budget: measured error 0.004 > budget
+      0.002; the edited sites, by error: 'qkv' (0.003). Choose more precise
+      formats there, or re-solve with a larger `budget` (`jxs.precision.solve`).
       >>> edited.sites[0].why.startswith("float8: chosen by the user")
       True
       >>> edited.within_budget
@@ -137,23 +190,58 @@ class Plan:
       True
     """
 
-    sites: tuple[SitePlan, ...]
     measures: tuple[SiteMeasure, ...]
+    choices: tuple[tuple[Format, str], ...]
     budget: float
     device: str
     cost: DeviceCost
+    dtype: np.dtype | None = None
+    loss_scale: float | None = None
+    allowed: tuple[Format, ...] = PRECISION
+    pinned: frozenset[str] = frozenset()
+    traced: bool = False
 
     def __post_init__(self):
-        names = [s.site for s in self.sites]
+        object.__setattr__(self, "pinned", frozenset(self.pinned))
+        if self.dtype is not None:
+            dtype = check_dtype(self.dtype)
+            if dtype == np.float32:
+                raise ValueError(
+                    "`dtype` must be the 16-bit dtype the plan was measured in "
+                    "(bfloat16 or float16) or None (unknown), got float32."
+                )
+            object.__setattr__(self, "dtype", dtype)
+        if self.loss_scale is not None:  # a number (TypeError), >= 0, not NaN
+            scale = score("`loss_scale`", self.loss_scale)
+            if not 0 < scale < math.inf:
+                raise ValueError(f"`loss_scale` must be finite and > 0, got {scale}.")
+            object.__setattr__(self, "loss_scale", scale)
+        object.__setattr__(self, "measures", tuple(self.measures))
+        object.__setattr__(self, "choices", tuple(map(tuple, self.choices)))
+        names = [m.site for m in self.measures]
         if not names or len(set(names)) != len(names):
             raise ValueError(
                 f"`sites` must name at least one site, each once, got {names}."
             )
-        if names != [m.site for m in self.measures]:
+        if len(self.choices) != len(names):
             raise ValueError(
-                "`sites` and `measures` must name the same sites in the same "
-                f"order, got {names} and {[m.site for m in self.measures]}."
+                f"`choices` must give one (format, why) per site of `measures` "
+                f"({len(names)}), got {len(self.choices)}."
             )
+        for m, (fmt, _) in zip(self.measures, self.choices, strict=True):
+            if fmt not in m.errors:
+                raise ValueError(
+                    f"site {m.site!r} is planned in {fmt}, which it has no error for."
+                )
+
+    @functools.cached_property
+    def sites(self) -> tuple[SitePlan, ...]:
+        """One :class:`SitePlan` per site (derived from :attr:`measures`,
+        :attr:`choices` and the cost), in site order."""
+        return tuple(
+            site_plan(m, fmt, self.cost, why)
+            for m, (fmt, why) in zip(self.measures, self.choices, strict=True)
+        )
 
     # ----------------------------------------------------------------- totals
 
@@ -179,14 +267,84 @@ class Plan:
         return self.error <= self.budget
 
     def formats(self) -> dict[str, Format]:
-        """``{site: Format}``, in site order."""
+        """``{site: Format}``, in site order: the formats at the shapes in
+        :attr:`sites` (the calibration batch's, unless :attr:`traced`). A step
+        of other shapes runs :meth:`at` its own shapes."""
         return {s.site: s.format for s in self.sites}
+
+    def at(self, shapes: Mapping[str, tuple[int, int, int]]) -> Plan:
+        """This plan re-solved for a step of other shapes: each site priced at
+        ``shapes[site]`` (``(m, k, n)``) and the formats chosen again under the
+        plan's budget, with the errors measured, the ``allowed`` formats and the
+        user's choices (:attr:`pinned`) kept. What ``jxs.autocast(f, dtype,
+        plan=plan)`` runs at the shapes it traces. Deterministic, and cached.
+
+        Args:
+          shapes: ``{site: (m, k, n)}`` for every site of the plan.
+
+        Returns:
+          The :class:`Plan` at those shapes (``traced`` set).
+
+        Raises:
+          ValueError: if ``shapes`` names other sites, or no plan of those
+            shapes meets the budget.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure("mlp", (64, 768, 3072), (4, 4),
+          ...     {F.FLOAT32: 0.0, F.HALF: 1e-4})
+          >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-4)
+          >>> plan.formats()  # 64 rows: launch-bound, float32 as fast
+          {'mlp': <Format.FLOAT32: 'float32'>}
+          >>> plan.at({"mlp": (8192, 768, 3072)}).formats()
+          {'mlp': <Format.HALF: '16-bit'>}
+        """
+        names = [s.site for s in self.sites]
+        if not isinstance(shapes, Mapping) or set(shapes) != set(names):
+            got = list(shapes) if isinstance(shapes, Mapping) else shapes
+            raise ValueError(
+                f"`shapes` must give (m, k, n) for each site of the plan, {names}; "
+                f"got {got!r}."
+            )
+        return _at(self, tuple(tuple(shapes[n]) for n in names))
 
     def autocast_rule(self) -> PlanRule:
         """The autocast rule that runs each site in its format: what
-        ``jxs.autocast(f, dtype, plan=plan)`` calls this for."""
+        ``jxs.autocast(f, dtype, plan=plan)`` calls this for. At trace time
+        it runs the plan :meth:`at` the traced shapes."""
         formats = tuple((s.site, s.format) for s in self.sites)
-        return PlanRule(formats, f"the plan ({len(formats)} sites)")
+        return PlanRule(formats, f"the plan ({len(formats)} sites)", _AtShapes(self))
+
+    def with_dtype(self, dtype: Any, loss_scale: float | None = None) -> Plan:
+        """This plan's formats, to run in ``dtype``: an explicit override.
+
+        The errors stay those measured in the plan's own dtype: for a plan
+        of another dtype they are no measurement of ``dtype`` (float16's
+        range and bfloat16's precision differ), so measure again where you
+        can (``jxs.plan_precision(loss, dtype)``).
+
+        Args:
+          dtype: the 16-bit dtype (bfloat16 or float16).
+          loss_scale: the loss scale to record (default: the plan's).
+
+        Returns:
+          The :class:`Plan` with ``dtype`` (and ``loss_scale``) set.
+
+        Examples:
+          >>> import jaxscale as jxs
+          >>> import jax.numpy as jnp
+          >>> import jaxscale.precision
+          >>> F = jxs.precision.Format
+          >>> m = jxs.precision.SiteMeasure("mlp", (64, 32, 32), (4, 4),
+          ...                               {F.HALF: 1e-4, F.FLOAT32: 0.0})
+          >>> plan = jxs.precision.solve([m], cost="H100", budget=1e-3)
+          >>> plan.dtype is None, plan.with_dtype(jnp.float16).dtype
+          (True, dtype('float16'))
+        """
+        scale = self.loss_scale if loss_scale is None else loss_scale
+        return dataclasses.replace(self, dtype=dtype, loss_scale=scale)
 
     @classmethod
     def from_formats(
@@ -242,22 +400,41 @@ class Plan:
             )
         # Any measured format first, then each site edited to its own (which
         # checks that it was measured there and holds).
-        start = [
-            site_plan(m, min(m.errors, key=m.errors.get), cost, why) for m in measures
-        ]
-        plan = cls(tuple(start), measures, float(budget), device, cost)
+        start = tuple((min(m.errors, key=m.errors.get), why) for m in measures)
+        plan = cls(measures, start, float(budget), device, cost)
         for m in measures:
-            plan = plan.replace(m.site, formats[m.site], why=why)
+            plan = plan._edit(m.site, formats[m.site], why)
+        plan._warn_over("Plan.from_formats", list(formats))
         return plan
 
     # ------------------------------------------------------------------ edits
+
+    def _warn_over(self, what: str, edited: list[str]) -> None:
+        """Warns (:class:`PlanBudgetWarning`) if this plan is over its budget,
+        naming the ``edited`` sites that add the most error."""
+        if self.within_budget:
+            return
+        errors = {s.site: s.error for s in self.sites}
+        worst = sorted(edited, key=lambda n: -errors[n])[:8]
+        named = ", ".join(f"{n!r} ({number(errors[n])})" for n in worst)
+        more = " ..." if len(edited) > 8 else ""
+        warnings.warn(
+            f"{what} takes the plan over its budget: measured error "
+            f"{number(self.error)} > budget {number(self.budget)}; the edited "
+            f"sites, by error: {named}{more}. Choose more precise formats there, "
+            "or re-solve with a larger `budget` (`jxs.precision.solve`).",
+            PlanBudgetWarning,
+            stacklevel=3,
+        )
 
     def replace(self, site: str, fmt: Format, why: str | None = None) -> Plan:
         """A copy of this plan with ``site`` in ``fmt``: the user's choice.
 
         The site's time, error and ``why`` ("chosen by the user") are
         recomputed, and so are the totals; the budget stays, and the edited plan
-        may exceed it (:attr:`within_budget` says so, and so does ``print``).
+        may exceed it (:attr:`within_budget` says so, and so does ``print``):
+        an edit that adds error to a plan and leaves it over its budget warns
+        (:class:`PlanBudgetWarning`).
 
         Args:
           site: a site of the plan, by its name-stack path.
@@ -273,6 +450,14 @@ class Plan:
           ValueError: if the plan has no such site, or ``fmt`` was not measured
             there or its range fails there (error ``inf``).
         """
+        reason = "chosen by the user" if why is None else str(why)
+        edited = self._edit(site, fmt, reason)
+        if edited.error > self.error:
+            edited._warn_over("Plan.replace", [site])
+        return edited
+
+    def _edit(self, site: str, fmt: Format, reason: str) -> Plan:
+        """:meth:`replace` without the warning."""
         where = {s.site: i for i, s in enumerate(self.sites)}
         if site not in where:
             raise ValueError(
@@ -296,23 +481,29 @@ class Plan:
                 f"`fmt` {fmt} fails at site {site!r}: its error is inf{note}. "
                 "Choose a format whose range holds there."
             )
-        sites = list(self.sites)
-        reason = "chosen by the user" if why is None else str(why)
-        sites[where[site]] = site_plan(
-            m, fmt, self.cost, _user_why(m, fmt, self.cost, reason)
-        )
-        return dataclasses.replace(self, sites=tuple(sites))
+        i, choices = where[site], list(self.choices)
+        choices[i] = (fmt, _user_why(m, fmt, self.cost, reason))
+        pinned = self.pinned | {site}
+        return dataclasses.replace(self, choices=tuple(choices), pinned=pinned)
 
     # ------------------------------------------------------------------- text
 
     def __str__(self) -> str:
         state = "within" if self.within_budget else "OVER"
         lines = [
-            f"precision plan: {len(self.sites)} sites on {self.device}",
-            f"  predicted {_time(self.seconds)}: "
+            f"precision plan: {len(self.sites)} sites on {self.device}, "
+            f"measured in {_measured(self.dtype, self.loss_scale)}",
+            f"  predicted {duration(self.seconds)}: "
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
-            f"({_time(self.half_seconds)})",
+            f"({duration(self.half_seconds)})",
             f"  error {number(self.error)}, {state} the budget {number(self.budget)}",
+            "  formats for the shapes below: "
+            + (
+                "a traced step's"
+                if self.traced
+                else "the calibration batch's (a step of other shapes is "
+                "re-solved at its own)"
+            ),
             "",
         ]
         rows = [["site", "m x k x n", "format", "time", "error", "why"]]
@@ -323,7 +514,7 @@ class Plan:
                     s.site,
                     " x ".join(map(str, s.shape)) + runs,
                     s.format.value,
-                    _time(s.seconds),
+                    duration(s.seconds),
                     number(s.error),
                     s.why,
                 ]
@@ -349,13 +540,14 @@ class Plan:
                     "site": s.site,
                     "shape": list(s.shape),
                     "operand_bytes": list(m.operand_bytes),
-                    "errors": {f.value: _out(e) for f, e in m.errors.items()},
+                    "errors": {f.value: out(e) for f, e in m.errors.items()},
                     "notes": {f.value: n for f, n in m.notes.items()},
                     "runs": m.runs,
                     "format": s.format.value,
                     "seconds": s.seconds,
                     "half_seconds": s.half_seconds,
                     "why": s.why,
+                    "pinned": s.site in self.pinned,
                 }
             )
         doc = {
@@ -363,7 +555,11 @@ class Plan:
             "version": _JSON_VERSION,
             "device": self.device,
             "cost": self.cost._asdict(),
-            "budget": _out(self.budget),
+            "budget": out(self.budget),
+            "dtype": None if self.dtype is None else self.dtype.name,
+            "loss_scale": self.loss_scale,
+            "allowed": [f.value for f in self.allowed],
+            "traced": self.traced,
             "sites": sites,
         }
         return json.dumps(doc, indent=1, allow_nan=False)
@@ -392,23 +588,28 @@ class Plan:
                 f"`text` must be the JSON of a {_JSON_KIND} (`Plan.to_json`), got "
                 f"kind {kind!r}."
             )
-        if doc.get("version") != _JSON_VERSION:
+        if doc.get("version") not in (1, _JSON_VERSION):
             raise ValueError(
-                f"`text`: this jaxscale reads plans of version {_JSON_VERSION}, got "
-                f"version {doc.get('version')!r}: load it with the jaxscale that "
-                "wrote it, or solve the plan again."
+                "`text`: this jaxscale reads plans of versions 1 and "
+                f"{_JSON_VERSION}, got version {doc.get('version')!r}: load it "
+                "with the jaxscale that wrote it, or solve the plan again."
             )
         try:
-            _fields("the plan", doc, _PLAN_FIELDS)
-            _fields("`cost`", doc["cost"], set(DeviceCost._fields))
+            # Version 1 has no dtype or loss scale: both unknown (None).
+            v1 = doc["version"] == 1
+            fields("the plan", doc, _PLAN_FIELDS - _V2 if v1 else _PLAN_FIELDS)
+            fields("`cost`", doc["cost"], set(DeviceCost._fields))
             name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
-            cost = DeviceCost(_text("`cost.name`", name), *map(_real, figures))
+            cost = DeviceCost(string("`cost.name`", name), *map(real, figures))
             if not isinstance(doc["sites"], list):
                 raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
-            sites, measures = [], []
+            sites, measures, pinned = [], [], []
             for entry in doc["sites"]:
-                _fields("a site", entry, _SITE_FIELDS, optional={"runs"})
-                errors = {Format(f): _in(e) for f, e in entry["errors"].items()}
+                site_fields = _SITE_FIELDS - {"pinned"} if v1 else _SITE_FIELDS
+                fields("a site", entry, site_fields, optional={"runs"})
+                if v1 or entry["pinned"] is True:  # version 1: runs as saved
+                    pinned.append(entry["site"])
+                errors = {Format(f): read_score(e) for f, e in entry["errors"].items()}
                 notes = {Format(f): n for f, n in entry["notes"].items()}
                 m = SiteMeasure(
                     entry["site"],
@@ -419,19 +620,30 @@ class Plan:
                     entry.get("runs", 1),
                 )
                 fmt = Format(entry["format"])
-                if fmt not in m.errors:
-                    raise ValueError(
-                        f"site {m.site!r} is planned in {fmt}, which it has no "
-                        "error for."
-                    )
-                seconds = _real(entry["seconds"]), _real(entry["half_seconds"])
-                why = _text("`why`", entry["why"])
-                sites.append(
-                    SitePlan(m.site, m.shape, fmt, m.errors[fmt], *seconds, why)
-                )
+                # The times are written for readers; the plan derives them.
+                real(entry["seconds"]), real(entry["half_seconds"])
+                sites.append((fmt, string("`why`", entry["why"])))
                 measures.append(m)
-            device = _text("`device`", doc["device"])
-            return cls(tuple(sites), tuple(measures), _in(doc["budget"]), device, cost)
+            device = string("`device`", doc["device"])
+            dtype, scale = doc.get("dtype"), doc.get("loss_scale")
+            if dtype is not None:
+                dtype = string("`dtype`", dtype)
+            scale = None if scale is None else real(scale)
+            allowed = tuple(
+                map(Format, doc.get("allowed", [f.value for f in PRECISION]))
+            )
+            return cls(
+                tuple(measures),
+                tuple(sites),
+                read_score(doc["budget"]),
+                device,
+                cost,
+                dtype,
+                scale,
+                allowed,
+                frozenset(pinned),
+                doc.get("traced", False) is True,
+            )
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"`text` is not a valid plan: {err}") from None
 
@@ -498,7 +710,8 @@ class Plan:
         return formats.pop() if formats else None
 
 
-_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"})
+_V2 = frozenset({"dtype", "loss_scale", "allowed", "traced"})
+_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | _V2
 _SITE_FIELDS = frozenset(
     {
         "site",
@@ -511,42 +724,50 @@ _SITE_FIELDS = frozenset(
         "seconds",
         "half_seconds",
         "why",
+        "pinned",
     }
 )
 
 
-def _fields(
-    what: str,
-    doc: Any,
-    expected: frozenset[str] | set[str],
-    optional: frozenset[str] | set[str] = frozenset(),
-) -> None:
-    if not isinstance(doc, dict):
-        raise ValueError(f"{what} must be a JSON object, got {doc!r}.")
-    missing = sorted(expected - set(doc) - set(optional))
-    unknown = sorted(set(doc) - expected)
-    if missing or unknown:
+def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:
+    scale = "" if loss_scale is None else f" at loss scale {number(loss_scale)}"
+    return ("an unknown dtype" if dtype is None else dtype.name) + scale
+
+
+@dataclasses.dataclass(frozen=True)
+class _AtShapes:
+    """The ``(site, Format)`` pairs of ``plan`` :meth:`~Plan.at` the traced
+    shapes (a plan's rule's ``resolve``); equal for equal plans, so equal
+    plans give equal rules (JAX's compilation cache)."""
+
+    plan: Plan
+
+    def __call__(self, shapes: Mapping[str, tuple]) -> tuple:
+        if set(shapes) != {m.site for m in self.plan.measures}:
+            return tuple(self.plan.formats().items())  # PlanRule says which
+        return tuple(self.plan.at(shapes).formats().items())
+
+
+@functools.lru_cache(maxsize=64)
+def _at(plan: Plan, shapes: tuple[tuple[int, int, int], ...]) -> Plan:
+    """:meth:`Plan.at`, cached per plan and shapes."""
+    measures = tuple(
+        dataclasses.replace(m, shape=shape)
+        for m, shape in zip(plan.measures, shapes, strict=True)
+    )
+    pinned = {s.site: s.format for s in plan.sites if s.site in plan.pinned}
+    chosen = choose(measures, plan.cost, plan.budget, frozenset(plan.allowed), pinned)
+    if chosen is None:
         raise ValueError(
-            f"{what} must have the fields {sorted(expected)}; missing {missing}, "
-            f"unknown {unknown}."
+            f"`plan` at the traced shapes: no choice meets its budget "
+            f"{number(plan.budget)} with the user's choices kept "
+            f"({', '.join(sorted(plan.pinned))}). Edit fewer sites, or re-solve."
         )
-
-
-def _real(x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        raise ValueError(f"a time or figure must be a number, got {x!r}.")
-    return float(x)
-
-
-def _text(what: str, x: Any) -> str:
-    if not isinstance(x, str):
-        raise ValueError(f"{what} must be a string, got {x!r}.")
-    return x
-
-
-def _out(x: float) -> float | str:
-    return "inf" if x == math.inf else x
-
-
-def _in(x: Any) -> float:
-    return math.inf if x == "inf" else score("an error score or budget", x)
+    choices = []
+    for m, (_, old), (fmt, why) in zip(measures, plan.choices, chosen, strict=True):
+        if m.site in plan.pinned:  # "fmt: reason; 0.93x the 16-bit time, ..."
+            why = _user_why(m, fmt, plan.cost, old.split(": ", 1)[-1].rsplit("; ")[0])
+        choices.append((fmt, why))
+    return dataclasses.replace(
+        plan, measures=measures, choices=tuple(choices), traced=True
+    )

@@ -268,10 +268,12 @@ class Sensor:
     ) -> Plan:
         """:func:`~jaxscale.precision.solve` on :meth:`measures`; ``cost``
         ``None`` is the device JAX runs on (the H100 SXM's figures for a kind
-        the speed model does not know, the CPU included)."""
+        the speed model does not know, the CPU included). The plan records the
+        sensor's ``dtype`` and ``loss_scale``."""
         if cost is None:
             cost = current_device(None)[0]
-        return solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
+        plan = solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
+        return plan.with_dtype(self.dtype, self.loss_scale)
 
 
 def _spans_processes(tree: Any) -> bool:
