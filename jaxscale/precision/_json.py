@@ -9,7 +9,17 @@ from typing import Any
 
 from jaxscale.precision._measure import score
 
-__all__ = ["duration", "fields", "out", "read_score", "real", "string"]
+__all__ = [
+    "PLAN_FIELDS",
+    "SITE_FIELDS",
+    "V2_FIELDS",
+    "duration",
+    "fields",
+    "out",
+    "read_score",
+    "real",
+    "string",
+]
 
 
 def fields(
@@ -55,3 +65,25 @@ def duration(seconds: float) -> str:
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-9:.3g} ns"
+
+
+# The fields of a saved plan (version 2 adds V2_FIELDS and a site's ``pinned``).
+V2_FIELDS = frozenset({"dtype", "loss_scale", "allowed", "traced"})
+PLAN_FIELDS = (
+    frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | V2_FIELDS
+)
+SITE_FIELDS = frozenset(
+    {
+        "site",
+        "shape",
+        "operand_bytes",
+        "errors",
+        "notes",
+        "runs",
+        "format",
+        "seconds",
+        "half_seconds",
+        "why",
+        "pinned",
+    }
+)

@@ -26,6 +26,9 @@ from jaxscale.internal import check_dtype
 from jaxscale.precision._apply import PlanRule
 from jaxscale.precision._choose import choose
 from jaxscale.precision._json import (
+    PLAN_FIELDS,
+    SITE_FIELDS,
+    V2_FIELDS,
     duration,
     fields,
     out,
@@ -42,7 +45,7 @@ from jaxscale.precision._measure import (
     number,
     score,
 )
-from jaxscale.precision._sites import TOP_LEVEL
+from jaxscale.precision._sites import select_site
 
 __all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
 
@@ -597,7 +600,7 @@ class Plan:
         try:
             # Version 1 has no dtype or loss scale: both unknown (None).
             v1 = doc["version"] == 1
-            fields("the plan", doc, _PLAN_FIELDS - _V2 if v1 else _PLAN_FIELDS)
+            fields("the plan", doc, PLAN_FIELDS - V2_FIELDS if v1 else PLAN_FIELDS)
             fields("`cost`", doc["cost"], set(DeviceCost._fields))
             name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
             cost = DeviceCost(string("`cost.name`", name), *map(real, figures))
@@ -605,7 +608,7 @@ class Plan:
                 raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
             sites, measures, pinned = [], [], []
             for entry in doc["sites"]:
-                site_fields = _SITE_FIELDS - {"pinned"} if v1 else _SITE_FIELDS
+                site_fields = SITE_FIELDS - {"pinned"} if v1 else SITE_FIELDS
                 fields("a site", entry, site_fields, optional={"runs"})
                 if v1 or entry["pinned"] is True:  # version 1: runs as saved
                     pinned.append(entry["site"])
@@ -687,46 +690,7 @@ class Plan:
           (<Format.FLOAT8: 'float8'>, None)
           >>> recipe = jxs.float8.CurrentScaling(select=plan.select)
         """
-        base = site or TOP_LEVEL
-        same = [
-            s
-            for s in self.sites
-            if s.site == site
-            or s.site == base
-            or (s.site.startswith(base + "#") and s.site[len(base) + 1 :].isdigit())
-        ]
-        if shape is not None:
-            same = [s for s in same if s.shape == tuple(shape)] or same
-        formats = {s.format for s in same}
-        if len(formats) > 1:
-            got = ", ".join(f"{s.site}: {s.format.value}" for s in same)
-            raise ValueError(
-                f"`site` {site!r} (shape {shape}) names {len(same)} sites of the "
-                f"plan in different formats ({got}): a name stack cannot tell "
-                "them apart. Run the plan with `jxs.autocast(f, dtype, plan=plan)`, "
-                "which counts the sites, or name the layers apart "
-                "(`jax.named_scope`)."
-            )
-        return formats.pop() if formats else None
-
-
-_V2 = frozenset({"dtype", "loss_scale", "allowed", "traced"})
-_PLAN_FIELDS = frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | _V2
-_SITE_FIELDS = frozenset(
-    {
-        "site",
-        "shape",
-        "operand_bytes",
-        "errors",
-        "notes",
-        "runs",
-        "format",
-        "seconds",
-        "half_seconds",
-        "why",
-        "pinned",
-    }
-)
+        return select_site(self.sites, site, shape)
 
 
 def _measured(dtype: np.dtype | None, loss_scale: float | None) -> str:

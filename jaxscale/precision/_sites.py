@@ -162,3 +162,30 @@ def site_sizes(eqn: Any, vals: Sequence[Any]) -> tuple[int, int, int] | None:
         return None
     mkn = dot_sizes(eqn.params, np.shape(vals[0]), np.shape(vals[1]))
     return None if mkn is None or min(mkn) < 1 else mkn
+
+
+def select_site(sites: Sequence[Any], site: str, shape: tuple | None) -> Any:
+    """The format of the :class:`~jaxscale.precision.SitePlan` among ``sites``
+    that a float8 recipe's ``site`` (a name stack) names, or ``None``
+    (:meth:`Plan.select <jaxscale.precision.Plan.select>`)."""
+    base = site or TOP_LEVEL
+    same = [
+        s
+        for s in sites
+        if s.site == site
+        or s.site == base
+        or (s.site.startswith(base + "#") and s.site[len(base) + 1 :].isdigit())
+    ]
+    if shape is not None:
+        same = [s for s in same if s.shape == tuple(shape)] or same
+    formats = {s.format for s in same}
+    if len(formats) > 1:
+        got = ", ".join(f"{s.site}: {s.format.value}" for s in same)
+        raise ValueError(
+            f"`site` {site!r} (shape {shape}) names {len(same)} sites of the "
+            f"plan in different formats ({got}): a name stack cannot tell "
+            "them apart. Run the plan with `jxs.autocast(f, dtype, plan=plan)`, "
+            "which counts the sites, or name the layers apart "
+            "(`jax.named_scope`)."
+        )
+    return formats.pop() if formats else None
