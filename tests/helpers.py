@@ -93,3 +93,77 @@ def unpriced_kind_warns() -> Any:
     if is_known(jax.devices()[0].device_kind):
         return contextlib.nullcontext()
     return pytest.warns(jxs.AutocastWarning, match="has no figures for the device")
+
+
+# --------------------------------------------------------------------------- #
+# Several jax.distributed processes on this machine (tests/test_*multiprocess.py).
+# --------------------------------------------------------------------------- #
+
+_NO_COLLECTIVES = (
+    r"(gloo|cpu[_ ]collectives).*(not (available|supported|built|implemented)|"
+    r"unimplemented|unavailable)"
+)
+
+
+def join_processes(
+    process_id: int, port: int, processes: int, devices: int, timeout: int
+):
+    """In a worker process: ``devices`` CPU devices, Gloo collectives, and
+    ``jax.distributed`` joined as process ``process_id`` of ``processes``."""
+    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=processes,
+        process_id=process_id,
+        initialization_timeout=timeout,
+    )
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def run_processes(script: Path | str, processes: int, timeout: int) -> list[dict]:
+    """Run ``python script <process id> <port>`` ``processes`` times at once
+    (CPU only, a free port on localhost) and return each one's last ``RESULT
+    <json>`` line, parsed; skip where the platform has no CPU collectives across
+    processes, fail on a worker's error or after ``timeout`` seconds."""
+    import json
+    import re
+    import socket
+
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=root,
+        )
+        for i in range(processes)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        pytest.fail(f"the {processes} workers did not finish within {timeout} s")
+    results = []
+    for i, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        if proc.returncode != 0 and re.search(_NO_COLLECTIVES, err, re.IGNORECASE):
+            pytest.skip(f"this platform has no CPU collectives across processes: {err}")
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"worker {i} failed:\n{out}\n{err}"
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    return results

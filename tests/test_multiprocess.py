@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import join_processes, run_processes
 
 pytestmark = pytest.mark.integration
 
@@ -47,14 +43,7 @@ INIT = 2.0**10
 def worker(process_id: int, port: int) -> dict:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=PROCESSES,
-        process_id=process_id,
-        initialization_timeout=TIMEOUT,
-    )
+    join_processes(process_id, port, PROCESSES, DEVICES_PER_PROCESS, TIMEOUT)
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -63,7 +52,6 @@ def worker(process_id: int, port: int) -> dict:
 
     import jaxscale as jxs
 
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
     me = jax.process_index()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     n = mesh.size
@@ -194,60 +182,10 @@ def worker(process_id: int, port: int) -> dict:
 # The test (parent process).
 # --------------------------------------------------------------------------- #
 
-_NO_COLLECTIVES = re.compile(
-    r"(gloo|cpu[_ ]collectives).*(not (available|supported|built|implemented)|"
-    r"unimplemented|unavailable)",
-    re.IGNORECASE,
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_workers() -> list[dict]:
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(root), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=root,
-        )
-        for i in range(PROCESSES)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=TIMEOUT))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"the {PROCESSES} workers did not finish within {TIMEOUT} s")
-    results = []
-    for i, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0 and _NO_COLLECTIVES.search(err):
-            pytest.skip(f"this platform has no CPU collectives across processes: {err}")
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"worker {i} failed:\n{out}\n{err}"
-        results.append(json.loads(lines[-1][len("RESULT ") :]))
-    return results
-
 
 @pytest.fixture(scope="module")
 def results():
-    return _run_workers()
+    return run_processes(__file__, PROCESSES, TIMEOUT)
 
 
 def test_two_processes_form_one_mesh(results):

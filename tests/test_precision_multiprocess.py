@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import join_processes, run_processes
 
 pytestmark = pytest.mark.integration
 
@@ -83,14 +79,7 @@ def formats(plan) -> dict:
 def worker(process_id: int, port: int) -> dict:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=PROCESSES,
-        process_id=process_id,
-        initialization_timeout=TIMEOUT,
-    )
+    join_processes(process_id, port, PROCESSES, DEVICES_PER_PROCESS, TIMEOUT)
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -98,7 +87,6 @@ def worker(process_id: int, port: int) -> dict:
     import jaxscale.precision as jxp
     from jaxscale.precision._sensor import _agree
 
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
     me, loss, p = jax.process_index(), model(jnp), params()
     out = {"process": me, "devices": jax.device_count()}
 
@@ -145,48 +133,9 @@ def worker(process_id: int, port: int) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-_NO_COLLECTIVES = re.compile(
-    r"(gloo|cpu[_ ]collectives).*(not (available|supported|built|implemented)|"
-    r"unimplemented|unavailable)",
-    re.IGNORECASE,
-)
-
-
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=root,
-        )
-        for i in range(PROCESSES)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"the {PROCESSES} workers did not finish within {TIMEOUT} s")
-    got = []
-    for i, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0 and _NO_COLLECTIVES.search(err):
-            pytest.skip(f"this platform has no CPU collectives across processes: {err}")
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"worker {i} failed:\n{out}\n{err}"
-        got.append(json.loads(lines[-1][len("RESULT ") :]))
-    return got
+    return run_processes(__file__, PROCESSES, TIMEOUT)
 
 
 def _alone(*batches):
