@@ -168,9 +168,28 @@ def test_wrong_arguments_are_refused():
         jxp.Monitor(plan, jnp.float16, max_flush=1.0)
     other = jxp.Monitor(plan.replace(TOP, F.FLOAT32), jnp.float16)
     state = jxp.Monitor(plan, jnp.float16).init()
-    assert other.replan(state)[2] == ()  # same sites: accepted
+    with pytest.raises(ValueError, match="another plan of these sites"):
+        other.replan(state)  # same sites, another plan
     with pytest.raises(ValueError, match="`state` is for other sites"):
         mon = jxs.plan_precision(lambda w, x: jnp.sum(x @ w), jnp.float16)(
             jnp.ones((16, 4)), x_of(1.0)
         )
         jxp.Monitor(mon, jnp.float16).replan(state)
+
+
+def test_a_state_from_before_a_replan_is_refused():
+    """The plan's identity travels in the state (static): the new monitor
+    refuses the old state, and a step traced from the old monitor refuses the
+    new state, instead of counting one plan's steps for another."""
+    p = params()
+    mon = jxp.Monitor(half_plan(p), jnp.float16, patience=1)
+    step = step_fn(mon)
+    *_, state, _ = step(p, mon.init(), x_of(2e4))
+    mon2, state2, changes = mon.replan(state)
+    assert changes and state2.formats != state.formats
+    with pytest.raises(ValueError, match="another plan of these sites"):
+        mon2.replan(state)
+    with pytest.raises(ValueError, match="another plan of these sites"):
+        step(p, state2, x_of(1.0))  # the old monitor's step, the new state
+    *_, state3, _ = step_fn(mon2)(p, state2, x_of(1.0))
+    assert int(state3.steps) == 2

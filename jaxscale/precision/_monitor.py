@@ -103,6 +103,9 @@ class MonitorState:
       calibration: ``f32[n, 3]``: the operands' and output's largest magnitude
         at the first step, what ``drift`` compares with.
       sites: the sites' names (static).
+      formats: the format of each site in the plan the counters are for
+        (static): a state from before a re-plan is refused by the new plan's
+        monitor, and the new state by a step traced from the old monitor.
 
     Examples:
       >>> import jaxscale as jxs
@@ -124,6 +127,7 @@ class MonitorState:
     peak: jax.Array
     calibration: jax.Array
     sites: tuple[str, ...] = _static()
+    formats: tuple[str, ...] = _static(default=())
 
     def drift(self) -> jax.Array:
         """``f32[n, 3]``: the last step's largest magnitudes of the operands
@@ -250,6 +254,11 @@ def _agree_counters(plan: Plan, state: MonitorState) -> tuple[np.ndarray, ...]:
     return every[:, 0].max(axis=0), every[:, 1].min(axis=0)
 
 
+def _formats(plan: Plan) -> tuple[str, ...]:
+    """The plan's format per site, in site order: a state's plan identity."""
+    return tuple(s.format.value for s in plan.sites)
+
+
 def _monitor_dtype(plan: Plan, dtype: Any) -> np.dtype:
     """The monitor's dtype: ``dtype``, or the plan's; they must agree."""
     if dtype is None and plan.dtype is None:
@@ -370,7 +379,23 @@ class Monitor:
             zf,
             jnp.zeros((n, 3), _F32),
             tuple(s.site for s in self.plan.sites),
+            _formats(self.plan),
         )
+
+    def _check(self, state: MonitorState, where: str) -> None:
+        if state.sites != tuple(s.site for s in self.plan.sites):
+            raise ValueError(
+                f"`{where}`: `state` is for other sites than this monitor's plan: "
+                "make it with this monitor's `init` (or the `replan` that made it)."
+            )
+        if state.formats != _formats(self.plan):
+            raise ValueError(
+                f"`{where}`: `state` counts for another plan of these sites "
+                f"(formats {list(state.formats)}, this monitor's "
+                f"{list(_formats(self.plan))}): after `replan`, carry the state "
+                "and run the step of the monitor it returned (a step traced from "
+                "the old monitor still runs the old plan)."
+            )
 
     def value_and_grad(
         self,
@@ -443,7 +468,13 @@ class Monitor:
         return bad, calm
 
     def update(self, state: MonitorState, seen: jax.Array) -> MonitorState:
-        """The counters after one step's measurements (jit-friendly)."""
+        """The counters after one step's measurements (jit-friendly).
+
+        Raises:
+          ValueError: if ``state`` is for another plan (from before a
+            :meth:`replan`, or for a monitor that re-planned since).
+        """
+        self._check(state, "Monitor.update")
         bad, calm = self.troubled(seen)
         first = state.steps == 0
         return dataclasses.replace(
@@ -467,11 +498,7 @@ class Monitor:
         the plan's format after ``window`` quiet steps. Reads ``state`` on the
         host (one transfer); the changed sites' counters restart. Unchanged:
         the same monitor and state, and ``()``."""
-        if state.sites != tuple(s.site for s in self.plan.sites):
-            raise ValueError(
-                "`state` is for other sites than this monitor's plan: make it "
-                "with this monitor's `init` (or the `replan` that made it)."
-            )
+        self._check(state, "Monitor.replan")
         troubled, quiet = _agree_counters(self.plan, state)
         plan, changes, reset = self.plan, [], []
         for i, s in enumerate(self.plan.sites):
@@ -502,5 +529,6 @@ class Monitor:
             state,
             troubled=jnp.where(k, state.troubled, 0),
             quiet=jnp.where(k, state.quiet, 0),
+            formats=_formats(plan),
         )
         return dataclasses.replace(self, plan=plan), state, tuple(changes)
