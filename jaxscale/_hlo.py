@@ -463,7 +463,9 @@ def stablehlo_ops(lowered: str) -> list[str]:
 def stablehlo_custom_calls(lowered: str) -> collections.Counter:
     """The ``stablehlo.custom_call`` operations of a lowered program's text, by
     call target (``"__cudnn$fmhaSoftmax"``: cuDNN's fused attention)."""
-    return collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)", lowered))
+    return collections.Counter(
+        re.findall(r"stablehlo\.custom_call @([\w$.]+)", lowered)
+    )
 
 
 def stablehlo_converts(lowered: str) -> collections.Counter:

@@ -11,8 +11,8 @@
   see ``[tool.pytest.ini_options]`` in pyproject.toml); collection fails
   otherwise. Doctests of ``jaxscale/`` are ``unit``. ``pytest -m unit`` is the
   edit-test loop; ``.ci/floors`` and ``.ci/ceiling`` run
-  ``-m "unit or core or construct or libraries"``. A ``pinned`` test must be ``integration``
-  and not ``construct`` (collection fails otherwise).
+  ``-m "unit or core or construct or libraries"``. A ``pinned`` test must be
+  ``integration``, not ``construct`` nor ``libraries`` (collection fails otherwise).
 
 Shared helper functions live in ``helpers.py``; fixtures live here.
 """

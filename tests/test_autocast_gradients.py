@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale as jxs
-from jaxscale import _hlo
 import jaxscale.precision as jxp
+from jaxscale import _hlo
 
 with warnings.catch_warnings():  # equinox 0.13 on jax 0.7.1 reads a deprecated name
     warnings.simplefilter("ignore", DeprecationWarning)

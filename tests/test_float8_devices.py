@@ -131,7 +131,9 @@ def test_gspmd_float8_matches_one_device_with_one_all_reduce_per_amax(layout):
 
 
 @pytest.mark.parametrize(
-    "recipe", [CURRENT, jxs.float8.RowwiseScaling(min_dim=0)], ids=["current", "rowwise"]
+    "recipe",
+    [CURRENT, jxs.float8.RowwiseScaling(min_dim=0)],
+    ids=["current", "rowwise"],
 )
 def test_float8_data_parallel_on_an_explicit_mesh(recipe):
     """Sharding in types (``jax.make_mesh``'s default from jax 0.10): a weight

@@ -109,7 +109,9 @@ def test_minus_m_skips_a_file_only_when_no_test_in_it_can_match(
 def test_the_tiers_are_registered_markers():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
     registered = {m.split(":")[0] for m in ini["ini_options"]["markers"]}
-    assert set(TIERS) | {"isa", "slow", "pinned", "construct", "libraries"} <= registered
+    assert (
+        set(TIERS) | {"isa", "slow", "pinned", "construct", "libraries"} <= registered
+    )
     assert "--strict-markers" in ini["ini_options"]["addopts"]
 
 
