@@ -25,6 +25,8 @@ from jaxscale._scope import FINITE_SCOPE
 __all__ = [
     "FINITE_SCOPE",
     "AxisName",
+    "differing_processes",
+    "from_every_process",
     "any_replica",
     "check_axis_name",
     "explain_unbound",
@@ -144,3 +146,28 @@ def place_replicated(state: Any, params: Any, *, skip: str) -> Any:
             if f != skip
         }
     )
+
+
+# --------------------------------------------------------------------------- #
+# Several jax.distributed processes: host-side agreement.
+# --------------------------------------------------------------------------- #
+
+
+def from_every_process(x: np.ndarray) -> np.ndarray:
+    """``x`` (a host array, the same shape on each process) from every
+    ``jax.distributed`` process, stacked in process order: ``[p, *x.shape]``."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+
+
+def differing_processes(value: Any) -> list[int]:
+    """The processes whose ``repr(value)`` differs from process 0's (by its
+    sha256): ``[]`` when every process holds the same, or with one process."""
+    if jax.process_count() == 1:
+        return []
+    import hashlib
+
+    key = np.frombuffer(hashlib.sha256(repr(value).encode()).digest(), np.uint32)
+    keys = from_every_process(key)
+    return sorted(int(i) for i in np.nonzero((keys != keys[0]).any(1))[0])

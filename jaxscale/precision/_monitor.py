@@ -17,7 +17,6 @@ quiet ones. A new plan is a new program: the step is traced and compiled again.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._distributed import differing_processes, from_every_process
 from jaxscale._grad import value_and_grad as scaled
 from jaxscale._probe import zeros
 from jaxscale._speed import Format
@@ -237,20 +237,14 @@ def _agree_counters(plan: Plan, state: MonitorState) -> tuple[np.ndarray, ...]:
     troubled, quiet = _host(state.troubled), _host(state.quiet)
     if jax.process_count() == 1:
         return troubled, quiet
-    from jax.experimental import multihost_utils
-
-    formats = [(s.site, s.format.value) for s in plan.sites]
-    key = np.frombuffer(hashlib.sha256(repr(formats).encode()).digest(), np.uint32)
-    keys = np.asarray(multihost_utils.process_allgather(key))
-    if not (keys == keys[0]).all():
+    if differing_processes([(s.site, s.format.value) for s in plan.sites]):
         raise ValueError(
             "`Monitor.replan`: the processes' monitors run different plans (so "
             "they compile different programs): make the plan with a `Sensor` "
             "(it agrees across processes) and re-plan on every process, each "
             "time with the same `replan` calls."
         )
-    both = np.stack([troubled, quiet]).astype(np.int32)
-    every = np.asarray(multihost_utils.process_allgather(both))  # [p, 2, n]
+    every = from_every_process(np.stack([troubled, quiet]).astype(np.int32))
     return every[:, 0].max(axis=0), every[:, 1].min(axis=0)
 
 

@@ -5,7 +5,6 @@ measures and solves in one call."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale._cost import DeviceCost, current_device
+from jaxscale._distributed import differing_processes, from_every_process
 from jaxscale._speed import Format
 from jaxscale.internal import autocast, check_dtype
 from jaxscale.precision._measure import PRECISION, SiteMeasure, number
@@ -285,14 +285,6 @@ def _spans_processes(tree: Any) -> bool:
     )
 
 
-def _gather(words: np.ndarray) -> np.ndarray:
-    """``uint32[p, n]``: every process's ``words`` (``uint32[n]``), in
-    process order."""
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(words))
-
-
 def _agree(
     sums: list[TapStats], batches: int, order: list[str], sites: dict
 ) -> tuple[list[TapStats], int]:
@@ -307,10 +299,8 @@ def _agree(
     """
     if jax.process_count() == 1:
         return sums, batches
-    key = hashlib.sha256(repr([(n, sites[n]) for n in order]).encode()).digest()
-    keys = _gather(np.frombuffer(key, np.uint32))
-    if not (keys == keys[0]).all():
-        differ = sorted({int(i) for i in np.nonzero((keys != keys[0]).any(1))[0]})
+    differ = differing_processes([(n, sites[n]) for n in order])
+    if differ:
         raise ValueError(
             "`Sensor`: the processes traced different matmul sites (names or "
             f"sizes): process {jax.process_index()} has {len(order)} sites, "
@@ -319,7 +309,7 @@ def _agree(
         )
     leaves, tree = jax.tree.flatten(sums)
     flat = np.concatenate([np.ravel(a) for a in leaves] + [np.float64([batches])])
-    every = _gather(flat.astype(np.float64).view(np.uint32)).view(np.float64)
+    every = from_every_process(flat.astype(np.float64).view(np.uint32)).view(np.float64)
     total = every[0].copy()
     for row in every[1:]:  # in process order: the same bits on every process
         total += row
