@@ -4,7 +4,8 @@ model where float32 is.
 A :class:`Sensor` measures, per site and per format, an error score on
 calibration batches (:class:`SiteMeasure`); the speed model predicts per site
 and per format the time (``jaxscale/_speed.py``); :func:`solve` chooses,
-exactly, the fastest :class:`Plan` whose total error is within a budget;
+exactly, the fastest :class:`Plan` whose total error is within a budget (by
+default a tenth of the minibatch gradient noise, :class:`NoiseBudget`);
 :func:`plan_precision` (also ``jxs.plan_precision``) does all three, and
 ``jxs.autocast(f, dtype, plan=plan)`` runs it. A plan is a readable, editable
 value: ``print(plan)``, :meth:`Plan.replace`, :meth:`Plan.to_json`.
@@ -22,6 +23,7 @@ Examples:
 
 from jaxscale._cost import DeviceCost as DeviceCost
 from jaxscale._speed import Format as Format
+from jaxscale.precision._budget import NoiseBudget as NoiseBudget
 from jaxscale.precision._measure import SiteMeasure as SiteMeasure
 from jaxscale.precision._monitor import Monitor as Monitor
 from jaxscale.precision._monitor import MonitorState as MonitorState
@@ -37,6 +39,7 @@ __all__ = [
     "Format",
     "Monitor",
     "MonitorState",
+    "NoiseBudget",
     "Plan",
     "PlanBudgetWarning",
     "Sensor",

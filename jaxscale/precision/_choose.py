@@ -49,6 +49,7 @@ from jaxscale.precision._measure import (
     half_ratio,
     in_order,
     number,
+    scores,
 )
 
 __all__ = ["choose", "feasible_time", "frontier", "picoseconds", "solver_why"]
@@ -62,12 +63,14 @@ def choose(
     budget: float,
     allowed: frozenset[Format],
     pinned: Mapping[str, Format] | None = None,
+    by: str = "error",
 ) -> list[tuple[Format, str]] | None:
     """The exact optimum as ``(format, why)`` per site, or ``None`` if no
-    choice meets ``budget``. A site takes the formats both ``allowed`` and
-    measured with a finite error (each site must have one); a site in
-    ``pinned`` takes only its pinned format (its ``why`` is then ``""``: the
-    caller keeps its own)."""
+    choice meets ``budget``, a limit on the sum of the sites' scores ``by``
+    (``"error"`` or ``"noise"``: :func:`~jaxscale.precision._measure.scores`).
+    A site takes the formats both ``allowed`` and measured with a finite score
+    (each site must have one); a site in ``pinned`` takes only its pinned
+    format (its ``why`` is then ``""``: the caller keeps its own)."""
     pinned = pinned or {}
     usable, candidates = [], []
     for m in measures:
@@ -75,11 +78,11 @@ def choose(
             usable.append([pinned[m.site]])
         else:
             usable.append([f for f in PRECISION if f in allowed and f in m.errors])
-        candidates.append([f for f in usable[-1] if math.isfinite(m.errors[f])])
+        candidates.append([f for f in usable[-1] if math.isfinite(scores(m, by)[f])])
     times, errors = [], []
     for m, fs in zip(measures, candidates, strict=True):
         times.append(np.array([picoseconds(m.seconds(f, cost)) for f in fs], np.int64))
-        errors.append(np.array([m.errors[f] for f in fs], np.float64))
+        errors.append(np.array([scores(m, by)[f] for f in fs], np.float64))
     if sum(int(t.max()) for t in times) >= 2**62:
         raise ValueError(
             "`measures`: the sites' predicted times add up to more than "
@@ -96,15 +99,16 @@ def choose(
             out.append((fs[j], ""))
             continue
         faster = [f for f in us if picoseconds(m.seconds(f, cost)) < ts[j]]
-        out.append((fs[j], solver_why(m, fs[j], cost, faster)))
+        slower = [f for f in fs if f not in faster and f is not fs[j]]
+        out.append((fs[j], solver_why(m, fs[j], cost, faster, slower, by)))
     return out
 
 
-def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
+def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost, by: str) -> str:
     """``float8 (0.71x, error 2.1e-3)``, with the sensor's note if it has one."""
     ratio = half_ratio(m, fmt, cost)
     note = f", {m.notes[fmt]}" if fmt in m.notes else ""
-    return f"{fmt.value} ({ratio:.2f}x, error {number(m.errors[fmt])}{note})"
+    return f"{fmt.value} ({ratio:.2f}x, {by} {number(scores(m, by)[fmt])}{note})"
 
 
 def _failing(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
@@ -116,23 +120,36 @@ def _failing(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> str:
 
 
 def solver_why(
-    m: SiteMeasure, fmt: Format, cost: DeviceCost, faster: list[Format]
+    m: SiteMeasure,
+    fmt: Format,
+    cost: DeviceCost,
+    faster: list[Format],
+    slower: list[Format] = (),
+    by: str = "error",
 ) -> str:
-    """Why the solver chose ``fmt`` at site ``m``; ``faster`` lists the allowed,
-    measured formats that were faster there (to the picosecond). Alone, each
-    finite one would have taken the plan over the budget: with it the plan
-    would be faster, so the solver would have taken it. Formats whose range
-    fails at the site are named, faster or not."""
-    why = f"{fmt.value}: {half_ratio(m, fmt, cost):.2f}x the 16-bit time, error "
-    why += f"{number(m.errors[fmt])} within the budget"
-    over = [_describe(m, f, cost) for f in faster if math.isfinite(m.errors[f])]
+    """Why the solver chose ``fmt`` at site ``m``, each other format's reason
+    in turn: ``faster`` lists the allowed, measured formats that were faster
+    there (to the picosecond). Alone, each finite one would have taken the plan
+    over the budget (rejected for its ``by`` score): with it the plan would be
+    faster, so the solver would have taken it. Formats whose range fails at the
+    site are named, faster or not (rejected for range); ``slower``, the
+    allowed formats with a finite score that are no faster (rejected for
+    time)."""
+    values = scores(m, by)
+    why = f"{fmt.value}: {half_ratio(m, fmt, cost):.2f}x the 16-bit time, {by} "
+    why += f"{number(values[fmt])} within the budget"
+    over = [_describe(m, f, cost, by) for f in faster if math.isfinite(values[f])]
     # Every format whose range fails here, faster or not: why it was not taken
     # (the sensor's first reason; the rest is in the measure's notes).
-    fails = [_failing(m, f, cost) for f, e in m.errors.items() if math.isinf(e)]
+    fails = [_failing(m, f, cost) for f, e in values.items() if math.isinf(e)]
     if over:
         why += f"; {' or '.join(over)} here would take the plan over it"
     if fails:
         why += f"; {' and '.join(fails)} fail{'s' if len(fails) == 1 else ''} here"
+    if slower:
+        by_time = sorted(slower, key=lambda f: m.seconds(f, cost))
+        named = [f"{f.value} ({half_ratio(m, f, cost):.2f}x)" for f in by_time]
+        why += f"; {' and '.join(named)} no faster"
     return why
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "PLAN_FIELDS",
     "SITE_FIELDS",
     "V2_FIELDS",
+    "V3_FIELDS",
     "duration",
     "fields",
     "out",
@@ -67,10 +68,14 @@ def duration(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
-# The fields of a saved plan (version 2 adds V2_FIELDS and a site's ``pinned``).
+# The fields of a saved plan (version 2 adds V2_FIELDS and a site's ``pinned``;
+# version 3, V3_FIELDS and a site's ``noise``).
 V2_FIELDS = frozenset({"dtype", "loss_scale", "allowed", "traced"})
+V3_FIELDS = frozenset({"budget_in"})
 PLAN_FIELDS = (
-    frozenset({"kind", "version", "device", "cost", "budget", "sites"}) | V2_FIELDS
+    frozenset({"kind", "version", "device", "cost", "budget", "sites"})
+    | V2_FIELDS
+    | V3_FIELDS
 )
 SITE_FIELDS = frozenset(
     {
@@ -80,6 +85,7 @@ SITE_FIELDS = frozenset(
         "errors",
         "notes",
         "runs",
+        "noise",
         "format",
         "seconds",
         "half_seconds",

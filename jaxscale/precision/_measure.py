@@ -27,6 +27,7 @@ __all__ = [
     "in_order",
     "number",
     "score",
+    "scores",
 ]
 
 # From the most to the least precise: ties in a plan go to the first.
@@ -145,12 +146,18 @@ class SiteMeasure:
         float16"``).
       runs: how many times a step runs the site (a ``scan`` of length 12
         around it: 12); its predicted time is multiplied by it.
+      noise: optional, per format: the gradient error the format adds at the
+        site as a fraction of the model's minibatch gradient noise (what a
+        noise budget, :class:`~jaxscale.precision.NoiseBudget`, adds up);
+        the same formats as ``errors``, ``math.inf`` exactly where ``errors``
+        is. ``None``: not measured (a noise budget then refuses the site).
 
     Raises:
       TypeError: if a field has the wrong type.
       ValueError: if ``site`` is empty, a size is not positive, a byte count is
         not one of 1, 2, 4, 8, ``errors`` is empty, an error is negative or NaN,
-        or a note names a format that ``errors`` does not.
+        a note names a format that ``errors`` does not, or ``noise`` names
+        other formats than ``errors`` or is ``inf`` elsewhere.
 
     Examples:
       >>> import jaxscale as jxs
@@ -172,6 +179,7 @@ class SiteMeasure:
     errors: Mapping[Format, float]
     notes: Mapping[Format, str] = dataclasses.field(default_factory=dict)
     runs: int = 1
+    noise: Mapping[Format, float] | None = None
 
     def __post_init__(self):
         site = self.site
@@ -215,7 +223,19 @@ class SiteMeasure:
                 f"SiteMeasure {site!r}: `runs` must be a positive int (how many "
                 f"times a step runs the site), got {runs!r}."
             )
+        noise = self.noise
+        if noise is not None:
+            noise = _by_format("noise", site, noise, score)
+            if set(noise) != set(errors) or any(
+                math.isinf(noise[f]) != math.isinf(errors[f]) for f in errors
+            ):
+                raise ValueError(
+                    f"SiteMeasure {site!r}: `noise` must hold the formats of "
+                    f"`errors` ({', '.join(str(f) for f in errors)}), inf exactly "
+                    f"where `errors` is, got {dict(noise)}."
+                )
         for name, value in (
+            ("noise", noise),
             ("runs", int(runs)),
             ("shape", shape),
             ("operand_bytes", nbytes),
@@ -233,6 +253,7 @@ class SiteMeasure:
                 tuple(self.errors.items()),
                 tuple(self.notes.items()),
                 self.runs,
+                None if self.noise is None else tuple(self.noise.items()),
             )
         )
 
@@ -240,6 +261,17 @@ class SiteMeasure:
         """The speed model's predicted seconds of this site in ``fmt``, its
         ``runs`` runs included."""
         return self.runs * site_seconds(fmt, *self.shape, *self.operand_bytes, cost)
+
+
+def scores(m: SiteMeasure, by: str) -> Mapping[Format, float]:
+    """Site ``m``'s scores that a budget in ``by`` adds up: ``"error"``, its
+    error scores; ``"noise"``, its gradient-noise fractions (which it must
+    have: :func:`~jaxscale.precision.solve` checks)."""
+    if by == "noise":
+        if m.noise is None:
+            raise ValueError(f"site {m.site!r} has no noise figures.")
+        return m.noise
+    return m.errors
 
 
 def half_ratio(m: SiteMeasure, fmt: Format, cost: DeviceCost) -> float:

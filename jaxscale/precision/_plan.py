@@ -29,6 +29,7 @@ from jaxscale.precision._json import (
     PLAN_FIELDS,
     SITE_FIELDS,
     V2_FIELDS,
+    V3_FIELDS,
     duration,
     fields,
     out,
@@ -44,12 +45,14 @@ from jaxscale.precision._measure import (
     in_order,
     number,
     score,
+    scores,
 )
 from jaxscale.precision._sites import select_site
 
 __all__ = ["Plan", "PlanBudgetWarning", "SitePlan", "site_plan"]
 
-_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 2
+_JSON_KIND, _JSON_VERSION = "jaxscale.precision.Plan", 3
+_BUDGET_IN = ("error", "noise")  # what a plan's budget counts
 
 
 class PlanBudgetWarning(UserWarning):
@@ -89,7 +92,11 @@ class SitePlan:
       half_seconds: the predicted seconds of the same site in 16 bits, what
         ``why`` compares with.
       why: the reason, in words: ``"float8: 0.71x the 16-bit time, error
-        2.1e-4 within the budget"``, or that the user chose it.
+        2.1e-4 within the budget"`` and why each other format was not taken
+        (over the budget, its range fails, no faster), or that the user chose
+        it.
+      noise: the fraction of the minibatch gradient noise the format adds
+        there (``SiteMeasure.noise``), or ``None`` where it was not measured.
 
     Examples:
       >>> import jaxscale as jxs
@@ -110,23 +117,31 @@ class SitePlan:
     seconds: float
     half_seconds: float
     why: str
+    noise: float | None = None
 
 
 def site_plan(m: SiteMeasure, fmt: Format, cost: DeviceCost, why: str) -> SitePlan:
     """The :class:`SitePlan` of site ``m`` in ``fmt``."""
     half = m.seconds(Format.HALF, cost)
+    noise = None if m.noise is None else m.noise[fmt]
     return SitePlan(
-        m.site, m.shape, fmt, m.errors[fmt], m.seconds(fmt, cost), half, why
+        m.site, m.shape, fmt, m.errors[fmt], m.seconds(fmt, cost), half, why, noise
     )
 
 
 def _user_why(
-    m: SiteMeasure, fmt: Format, cost: DeviceCost, reason: str = "chosen by the user"
+    m: SiteMeasure,
+    fmt: Format,
+    cost: DeviceCost,
+    reason: str = "chosen by the user",
+    by: str = "error",
 ) -> str:
     ratio = half_ratio(m, fmt, cost)
+    value = scores(m, by if m.noise is not None else "error")[fmt]
+    label = by if m.noise is not None else "error"
     return (
-        f"{fmt.value}: {reason}; {ratio:.2f}x the 16-bit time, error "
-        f"{number(m.errors[fmt])}"
+        f"{fmt.value}: {reason}; {ratio:.2f}x the 16-bit time, {label} "
+        f"{number(value)}"
     )
 
 
@@ -146,7 +161,8 @@ class Plan:
       measures: the :class:`SiteMeasure` of each site, in the order the
         function meets them (what :meth:`replace` and :meth:`at` read).
       choices: ``(format, why)`` per site, in the same order.
-      budget: the error budget the plan was solved for.
+      budget: the budget the plan was solved for, a limit on the sum of the
+        sites' scores of :attr:`budget_in`.
       device: the device kind whose figures the times are predicted with.
       cost: those figures (a ``DeviceCost``).
       dtype: the 16-bit dtype the sites were measured in (``bfloat16`` or
@@ -161,6 +177,10 @@ class Plan:
         :meth:`from_formats`): kept when the plan is re-solved (:meth:`at`).
       traced: whether the sites' shapes are a traced step's (:meth:`at`), not
         the calibration batch's.
+      budget_in: what :attr:`budget` counts: ``"error"``, the sites' error
+        scores (a budget of ``"16-bit"`` or a number); ``"noise"``, their
+        fractions of the minibatch gradient noise (a
+        :class:`~jaxscale.precision.NoiseBudget`).
 
     Examples:
       >>> import jaxscale as jxs
@@ -203,9 +223,15 @@ class Plan:
     allowed: tuple[Format, ...] = PRECISION
     pinned: frozenset[str] = frozenset()
     traced: bool = False
+    budget_in: str = "error"
 
     def __post_init__(self):
         object.__setattr__(self, "pinned", frozenset(self.pinned))
+        if self.budget_in not in _BUDGET_IN:
+            raise ValueError(
+                f"`budget_in` must be one of {list(_BUDGET_IN)} (what the budget "
+                f"counts), got {self.budget_in!r}."
+            )
         if self.dtype is not None:
             dtype = check_dtype(self.dtype)
             if dtype == np.float32:
@@ -236,6 +262,13 @@ class Plan:
                 raise ValueError(
                     f"site {m.site!r} is planned in {fmt}, which it has no error for."
                 )
+            if self.budget_in == "noise" and m.noise is None:
+                raise ValueError(
+                    f"site {m.site!r} has no noise figures (`SiteMeasure.noise`), "
+                    "but the plan's budget counts the gradient noise "
+                    "(`budget_in='noise'`): measure it again with a "
+                    "`jxs.precision.Sensor`, or solve with `budget='16-bit'`."
+                )
 
     @functools.cached_property
     def sites(self) -> tuple[SitePlan, ...]:
@@ -265,9 +298,26 @@ class Plan:
         return in_order(s.error for s in self.sites)
 
     @property
+    def noise(self) -> float | None:
+        """The sum of the sites' fractions of the minibatch gradient noise,
+        added in site order; ``None`` if a site has none measured."""
+        if any(s.noise is None for s in self.sites):
+            return None
+        return in_order(s.noise for s in self.sites)
+
+    @property
+    def spent(self) -> float:
+        """What the plan adds up against its :attr:`budget`: :attr:`noise` if
+        :attr:`budget_in` is ``"noise"``, else :attr:`error`."""
+        return self.noise if self.budget_in == "noise" else self.error
+
+    def _spent_at(self, s: SitePlan) -> float:
+        return s.noise if self.budget_in == "noise" else s.error
+
+    @property
     def within_budget(self) -> bool:
-        """Whether :attr:`error` is within :attr:`budget` (an edit may not be)."""
-        return self.error <= self.budget
+        """Whether :attr:`spent` is within :attr:`budget` (an edit may not be)."""
+        return self.spent <= self.budget
 
     def formats(self) -> dict[str, Format]:
         """``{site: Format}``, in site order: the formats at the shapes in
@@ -417,14 +467,15 @@ class Plan:
         naming the ``edited`` sites that add the most error."""
         if self.within_budget:
             return
-        errors = {s.site: s.error for s in self.sites}
+        errors = {s.site: self._spent_at(s) for s in self.sites}
         worst = sorted(edited, key=lambda n: -errors[n])[:8]
         named = ", ".join(f"{n!r} ({number(errors[n])})" for n in worst)
         more = " ..." if len(edited) > 8 else ""
+        by = self.budget_in
         warnings.warn(
-            f"{what} takes the plan over its budget: measured error "
-            f"{number(self.error)} > budget {number(self.budget)}; the edited "
-            f"sites, by error: {named}{more}. Choose more precise formats there, "
+            f"{what} takes the plan over its budget: measured {by} "
+            f"{number(self.spent)} > budget {number(self.budget)}; the edited "
+            f"sites, by {by}: {named}{more}. Choose more precise formats there, "
             "or re-solve with a larger `budget` (`jxs.precision.solve`).",
             PlanBudgetWarning,
             stacklevel=3,
@@ -455,7 +506,7 @@ class Plan:
         """
         reason = "chosen by the user" if why is None else str(why)
         edited = self._edit(site, fmt, reason)
-        if edited.error > self.error:
+        if edited.spent > self.spent:
             edited._warn_over("Plan.replace", [site])
         return edited
 
@@ -485,7 +536,7 @@ class Plan:
                 "Choose a format whose range holds there."
             )
         i, choices = where[site], list(self.choices)
-        choices[i] = (fmt, _user_why(m, fmt, self.cost, reason))
+        choices[i] = (fmt, _user_why(m, fmt, self.cost, reason, self.budget_in))
         pinned = self.pinned | {site}
         return dataclasses.replace(self, choices=tuple(choices), pinned=pinned)
 
@@ -499,7 +550,12 @@ class Plan:
             f"  predicted {duration(self.seconds)}: "
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
             f"({duration(self.half_seconds)})",
-            f"  error {number(self.error)}, {state} the budget {number(self.budget)}",
+            (
+                f"  error {number(self.error)}, {state} the budget {number(self.budget)}"
+                if self.budget_in == "error"
+                else f"  noise {number(self.spent)}, {state} the budget "
+                f"{number(self.budget)} (fractions of the minibatch gradient noise)"
+            ),
             "  formats for the shapes below: "
             + (
                 "a traced step's"
@@ -509,7 +565,7 @@ class Plan:
             ),
             "",
         ]
-        rows = [["site", "m x k x n", "format", "time", "error", "why"]]
+        rows = [["site", "m x k x n", "format", "time", self.budget_in, "why"]]
         for s, m in zip(self.sites, self.measures, strict=True):
             runs = f" (x{m.runs})" if m.runs > 1 else ""
             rows.append(
@@ -518,7 +574,7 @@ class Plan:
                     " x ".join(map(str, s.shape)) + runs,
                     s.format.value,
                     duration(s.seconds),
-                    number(s.error),
+                    number(self._spent_at(s)),
                     s.why,
                 ]
             )
@@ -544,6 +600,9 @@ class Plan:
                     "shape": list(s.shape),
                     "operand_bytes": list(m.operand_bytes),
                     "errors": {f.value: out(e) for f, e in m.errors.items()},
+                    "noise": None
+                    if m.noise is None
+                    else {f.value: out(e) for f, e in m.noise.items()},
                     "notes": {f.value: n for f, n in m.notes.items()},
                     "runs": m.runs,
                     "format": s.format.value,
@@ -559,6 +618,7 @@ class Plan:
             "device": self.device,
             "cost": self.cost._asdict(),
             "budget": out(self.budget),
+            "budget_in": self.budget_in,
             "dtype": None if self.dtype is None else self.dtype.name,
             "loss_scale": self.loss_scale,
             "allowed": [f.value for f in self.allowed],
@@ -591,16 +651,18 @@ class Plan:
                 f"`text` must be the JSON of a {_JSON_KIND} (`Plan.to_json`), got "
                 f"kind {kind!r}."
             )
-        if doc.get("version") not in (1, _JSON_VERSION):
+        if doc.get("version") not in (1, 2, _JSON_VERSION):
             raise ValueError(
-                "`text`: this jaxscale reads plans of versions 1 and "
+                "`text`: this jaxscale reads plans of versions 1, 2 and "
                 f"{_JSON_VERSION}, got version {doc.get('version')!r}: load it "
                 "with the jaxscale that wrote it, or solve the plan again."
             )
         try:
-            # Version 1 has no dtype or loss scale: both unknown (None).
-            v1 = doc["version"] == 1
-            fields("the plan", doc, PLAN_FIELDS - V2_FIELDS if v1 else PLAN_FIELDS)
+            # Version 1 has no dtype or loss scale: both unknown (None);
+            # versions 1 and 2 no noise figures: a budget of error scores.
+            v1, old = doc["version"] == 1, doc["version"] < 3
+            plan_fields = PLAN_FIELDS - V3_FIELDS if old else PLAN_FIELDS
+            fields("the plan", doc, plan_fields - V2_FIELDS if v1 else plan_fields)
             fields("`cost`", doc["cost"], set(DeviceCost._fields))
             name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
             cost = DeviceCost(string("`cost.name`", name), *map(real, figures))
@@ -608,12 +670,16 @@ class Plan:
                 raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
             sites, measures, pinned = [], [], []
             for entry in doc["sites"]:
-                site_fields = SITE_FIELDS - {"pinned"} if v1 else SITE_FIELDS
+                site_fields = SITE_FIELDS - {"noise"} if old else SITE_FIELDS
+                site_fields = site_fields - {"pinned"} if v1 else site_fields
                 fields("a site", entry, site_fields, optional={"runs"})
                 if v1 or entry["pinned"] is True:  # version 1: runs as saved
                     pinned.append(entry["site"])
                 errors = {Format(f): read_score(e) for f, e in entry["errors"].items()}
                 notes = {Format(f): n for f, n in entry["notes"].items()}
+                noise = entry.get("noise")
+                if noise is not None:
+                    noise = {Format(f): read_score(e) for f, e in noise.items()}
                 m = SiteMeasure(
                     entry["site"],
                     tuple(entry["shape"]),
@@ -621,6 +687,7 @@ class Plan:
                     errors,
                     notes,
                     entry.get("runs", 1),
+                    noise,
                 )
                 fmt = Format(entry["format"])
                 # The times are written for readers; the plan derives them.
@@ -646,6 +713,7 @@ class Plan:
                 allowed,
                 frozenset(pinned),
                 doc.get("traced", False) is True,
+                string("`budget_in`", doc.get("budget_in", "error")),
             )
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"`text` is not a valid plan: {err}") from None
@@ -720,7 +788,14 @@ def _at(plan: Plan, shapes: tuple[tuple[int, int, int], ...]) -> Plan:
         for m, shape in zip(plan.measures, shapes, strict=True)
     )
     pinned = {s.site: s.format for s in plan.sites if s.site in plan.pinned}
-    chosen = choose(measures, plan.cost, plan.budget, frozenset(plan.allowed), pinned)
+    chosen = choose(
+        measures,
+        plan.cost,
+        plan.budget,
+        frozenset(plan.allowed),
+        pinned,
+        plan.budget_in,
+    )
     if chosen is None:
         raise ValueError(
             f"`plan` at the traced shapes: no choice meets its budget "
@@ -730,7 +805,8 @@ def _at(plan: Plan, shapes: tuple[tuple[int, int, int], ...]) -> Plan:
     choices = []
     for m, (_, old), (fmt, why) in zip(measures, plan.choices, chosen, strict=True):
         if m.site in plan.pinned:  # "fmt: reason; 0.93x the 16-bit time, ..."
-            why = _user_why(m, fmt, plan.cost, old.split(": ", 1)[-1].rsplit("; ")[0])
+            reason = old.split(": ", 1)[-1].rsplit("; ")[0]
+            why = _user_why(m, fmt, plan.cost, reason, plan.budget_in)
         choices.append((fmt, why))
     return dataclasses.replace(
         plan, measures=measures, choices=tuple(choices), traced=True

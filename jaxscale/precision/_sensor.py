@@ -17,6 +17,7 @@ from jaxscale._cost import DeviceCost, current_device
 from jaxscale._distributed import differing_processes, from_every_process
 from jaxscale._speed import Format
 from jaxscale.internal import autocast, check_dtype
+from jaxscale.precision._budget import NoiseBudget
 from jaxscale.precision._measure import PRECISION, SiteMeasure, number
 from jaxscale.precision._plan import Plan
 from jaxscale.precision._solve import solve
@@ -83,6 +84,13 @@ class Sensor:
       ``grad``: the relative squared error of its backward products; the score
       is ``fisher / F + grad / G``, ``F`` and ``G`` their sums over the sites in
       16 bits, so the model in 16 bits scores 2;
+    - ``noise``: the gradient error the format adds, as a fraction of the
+      minibatch gradient noise (the noise budget's score, ``docs/precision.md``,
+      "The noise budget"): the squared error of its weight gradient ``x^T g``,
+      plus its input gradient's relative squared error times the squares of
+      the weight gradients of the sites met before it (those it reaches, to
+      first order: a conservative estimate), over the noise of all the sites'
+      weight gradients, estimated from two halves of each batch's rows;
     - ``inf`` where the format's range fails on a batch: an output that
       overflows, an operand it cannot hold, a gradient beyond 16 bits even
       unscaled. A gradient that overflows only at ``loss_scale`` is noted, not
@@ -229,8 +237,11 @@ class Sensor:
         return out
 
     def measures(self) -> tuple[SiteMeasure, ...]:
-        """One :class:`~jaxscale.precision.SiteMeasure` per site, in order."""
+        """One :class:`~jaxscale.precision.SiteMeasure` per site, in order,
+        with its ``noise`` figures where the batches' rows split in two
+        (:meth:`noise_problem` says why not)."""
         stats = self.stats()
+        noise = _noise_fractions(stats, self.formats)
         fisher, grad, notes = {}, {}, {}
         for name, row in stats.items():
             ref = row["reference"]
@@ -256,24 +267,95 @@ class Sensor:
                 if note:
                     words[f] = note
             mkn, nbytes, runs = self._sites[name]
-            out.append(SiteMeasure(name, mkn, nbytes, errors, words, runs))
+            fractions = None
+            if noise is not None:
+                fractions = {
+                    f: math.inf if math.isinf(errors[f]) else noise[name][f]
+                    for f in self.formats
+                }
+            out.append(SiteMeasure(name, mkn, nbytes, errors, words, runs, fractions))
         return tuple(out)
+
+    def noise_problem(self) -> str | None:
+        """Why the batches measured give no noise figures (``None``: they do).
+        The noise is measured between two halves of a batch's rows at each site;
+        a batch of one row cannot split. Every process must call it (as
+        :meth:`stats`)."""
+        return _noise_problem(self.stats())
 
     def plan(
         self,
         *,
-        budget: float | str = "16-bit",
+        budget: NoiseBudget | float | str = "noise",
         allowed: Iterable[Format] | None = None,
         cost: DeviceCost | str | None = None,
     ) -> Plan:
-        """:func:`~jaxscale.precision.solve` on :meth:`measures`; ``cost``
-        ``None`` is the device JAX runs on (the H100 SXM's figures for a kind
-        the speed model does not know, the CPU included). The plan records the
-        sensor's ``dtype`` and ``loss_scale``."""
+        """:func:`~jaxscale.precision.solve` on :meth:`measures`, by default
+        within a tenth of the minibatch gradient noise (``budget="noise"``,
+        :class:`~jaxscale.precision.NoiseBudget`; ``"16-bit"``: no worse than
+        the model in 16 bits); ``cost`` ``None`` is the device JAX runs on (the
+        H100 SXM's figures for a kind the speed model does not know, the CPU
+        included). The plan records the sensor's ``dtype`` and ``loss_scale``.
+
+        Raises:
+          ValueError: for a noise budget, if the batches gave no noise figures
+            (every site met one row per batch): give batches of more rows, or
+            ``budget="16-bit"``.
+        """
+        if budget == "noise" or isinstance(budget, NoiseBudget):
+            problem = self.noise_problem()
+            if problem is not None:
+                raise ValueError(
+                    f"`budget` {budget!r} is relative to the minibatch gradient "
+                    f"noise, but {problem} Give calibration batches of more rows "
+                    "(the batch size you train with), or use `budget='16-bit'` or "
+                    "a number."
+                )
         if cost is None:
             cost = current_device(None)[0]
         plan = solve(self.measures(), cost=cost, budget=budget, allowed=allowed)
         return plan.with_dtype(self.dtype, self.loss_scale)
+
+
+def _noise_problem(stats: dict) -> str | None:
+    """Why ``stats`` give no noise figures, or ``None``."""
+    refs = [row["reference"] for row in stats.values()]
+    if not any(r["halves"] > 0 for r in refs):
+        return (
+            "no site could measure it: the noise is measured between the two "
+            "halves of a batch's rows, and every site met a single row."
+        )
+    if not math.fsum(r["noise"] for r in refs) > 0:
+        return (
+            "the noise measured is zero (every row's weight gradient alike): "
+            "there is nothing to be relative to."
+        )
+    return None
+
+
+def _noise_fractions(
+    stats: dict, formats: tuple[Format, ...]
+) -> dict[str, dict[Format, float]] | None:
+    """Per site and format, the gradient error the format adds as a fraction
+    of the model's minibatch gradient noise (``None`` without noise figures):
+    the weight gradient's squared error ``dw``, plus the input gradient's
+    relative squared error ``dx / dx_ref`` times ``dw_ref`` summed over the
+    sites met before this one (the gradient it reaches to first order; as if
+    the error were as coherent over the rows as the gradient: an upper
+    estimate), over the sum of the sites' ``noise``."""
+    if _noise_problem(stats) is not None:
+        return None
+    total = math.fsum(row["reference"]["noise"] for row in stats.values())
+    below, out = 0.0, {}
+    for name, row in stats.items():
+        ref = row["reference"]
+        out[name] = {}
+        for f in formats:
+            s = row[f]
+            reach = s["dx"] / ref["dx_ref"] * below if ref["dx_ref"] > 0 else 0.0
+            out[name][f] = (s["dw"] + reach) / total
+        below += ref["dw_ref"]
+    return out
 
 
 def _spans_processes(tree: Any) -> bool:
@@ -359,7 +441,7 @@ def plan_precision(
     fun: Callable[..., Any],
     dtype: Any = jnp.bfloat16,
     *,
-    budget: float | str = "16-bit",
+    budget: NoiseBudget | float | str = "noise",
     allowed: Iterable[Format] | None = None,
     cost: DeviceCost | str | None = None,
     loss_scale: float = 1.0,
@@ -377,8 +459,12 @@ def plan_precision(
     Args:
       fun: the loss function (returns a scalar), written in float32.
       dtype: the 16-bit autocast dtype (bfloat16 or float16).
-      budget: the error budget: ``"16-bit"`` (default: the sum of the sites'
-        16-bit scores, no worse than the model in ``dtype``), or a number.
+      budget: ``"noise"`` (default, ``NoiseBudget()``): the gradient error
+        the formats add within a tenth of the calibration batch's minibatch
+        gradient noise (measure at the batch size you train with);
+        ``NoiseBudget(fraction)``: another fraction; ``"16-bit"``: the sum of
+        the sites' 16-bit scores, no worse than the model in ``dtype``; or a
+        number of error scores.
       allowed: the formats a site may take (default: all five); only these
         (and 16 bits, the budget's reference) are measured.
       cost: a device kind (``"H100"``, ``"H200"``) or a ``DeviceCost``;

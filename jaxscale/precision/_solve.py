@@ -11,6 +11,7 @@ from typing import Any
 
 from jaxscale._cost import DeviceCost, device_cost
 from jaxscale._speed import Format
+from jaxscale.precision._budget import NoiseBudget, check_budget, half_error
 from jaxscale.precision._choose import (
     choose,
     feasible_time,
@@ -22,12 +23,12 @@ from jaxscale.precision._measure import (
     SiteMeasure,
     in_order,
     number,
+    scores,
 )
 from jaxscale.precision._plan import Plan
 
 __all__ = ["feasible_time", "frontier", "half_error", "picoseconds", "solve"]
 
-_BUDGETS = ("16-bit", "bfloat16")  # the sum of the 16-bit errors
 
 
 def _check_measures(measures: Any) -> tuple[SiteMeasure, ...]:
@@ -88,53 +89,11 @@ def _check_allowed(allowed: Any) -> frozenset[Format]:
     return allowed
 
 
-def half_error(m: SiteMeasure, budget: str = "16-bit") -> float:
-    """What site ``m`` adds to the budget ``"16-bit"``: its 16-bit error; where
-    16 bits fails (``inf``: float16 overflows there), the error of the nearest
-    more precise format measured (16-bit with a float32 result, then float32),
-    since the 16-bit model would have to run that site so."""
-    if Format.HALF not in m.errors:
-        raise ValueError(
-            f"`budget={budget!r}` is the sum of the sites' 16-bit errors, but site "
-            f"{m.site!r} has no 16-bit error. Measure it in 16 bits, or give the "
-            "budget as a number."
-        )
-    for fmt in (Format.HALF, Format.HALF_WIDE, Format.FLOAT32):
-        if fmt in m.errors and not math.isinf(m.errors[fmt]):
-            return m.errors[fmt]
-    raise ValueError(
-        f"`budget={budget!r}` is the sum of the sites' 16-bit errors, but site "
-        f"{m.site!r} fails in 16 bits (error inf) and in every more precise format "
-        "measured. Give the budget as a number."
-    )
-
-
-def _check_budget(budget: Any, measures: tuple[SiteMeasure, ...]) -> float:
-    if isinstance(budget, str):
-        if budget not in _BUDGETS:
-            raise ValueError(
-                f"`budget` must be a number or one of {list(_BUDGETS)} (the sum of "
-                f"the 16-bit errors), got {budget!r}."
-            )
-        return in_order(half_error(m, budget) for m in measures)
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(
-            f"`budget` must be a number or one of {list(_BUDGETS)}, got "
-            f"{type(budget).__name__} {budget!r}."
-        )
-    if math.isnan(budget) or budget < 0:
-        raise ValueError(
-            f"`budget` must be a non-negative number (math.inf: no limit), got "
-            f"{budget!r}."
-        )
-    return float(budget)
-
-
 def solve(
     measures: Iterable[SiteMeasure],
     *,
     cost: DeviceCost | str,
-    budget: float | str,
+    budget: NoiseBudget | float | str = "noise",
     allowed: Iterable[Format] | None = None,
 ) -> Plan:
     """The fastest plan whose total error is within ``budget``: exactly.
@@ -157,9 +116,14 @@ def solve(
         (``"H100"``, ``"NVIDIA H200"``, ``jax.devices()[0].device_kind``; a
         kind without figures, the CPU included, takes the H100 SXM's, and the
         plan's ``device`` says so).
-      budget: the largest total error score; or ``"16-bit"`` (alias
-        ``"bfloat16"``): the sum of the sites' 16-bit errors, no worse than the
-        whole model in 16 bits.
+      budget: ``"noise"`` (default), ``NoiseBudget()``: the sites' gradient
+        errors add up to at most a tenth of the minibatch gradient noise
+        (:class:`~jaxscale.precision.NoiseBudget`; another fraction:
+        ``NoiseBudget(0.05)``); it needs the measures' ``noise`` figures (a
+        :class:`~jaxscale.precision.Sensor`'s). ``"16-bit"`` (alias
+        ``"bfloat16"``): the sum of the sites' 16-bit error scores, no worse
+        than the whole model in 16 bits. A number: the largest total error
+        score.
       allowed: the formats a site may take (a set of ``Format``); ``None``:
         every format. A site takes only formats both allowed and measured.
 
@@ -170,7 +134,9 @@ def solve(
       TypeError: if an argument has the wrong type.
       ValueError: if a site has no allowed, measured format with a finite
         error (the message names it); if two sites share a name; if no plan
-        meets the budget (the message gives the smallest total error reachable).
+        meets the budget (the message gives the smallest total error
+        reachable); if the budget is a noise budget and a site has no noise
+        figures.
 
     Examples:
       >>> import jaxscale as jxs
@@ -188,31 +154,47 @@ def solve(
       >>> [f.value for f in plan.formats().values()]
       ['16-bit', 'float8']
       >>> print(plan.sites[1].why)
-      float8: 0.82x the 16-bit time, error 1.0e-4 within the budget
+      float8: 0.82x the 16-bit time, error 1.0e-4 within the budget; 16-bit (1.00x) and float32 (2.06x) no faster
+
+      With noise figures (a sensor's), the default budget is the noise's:
+
+      >>> noisy = [jxs.precision.SiteMeasure(
+      ...     "mlp", (16384, 4096, 28672), (2, 4),
+      ...     {F.FLOAT32: 0.0, F.HALF: 1e-4, F.FLOAT8: 3e-3},
+      ...     noise={F.FLOAT32: 0.0, F.HALF: 1e-4, F.FLOAT8: 0.02})]
+      >>> plan = jxs.precision.solve(noisy, cost="H100")
+      >>> plan.formats()["mlp"].value, plan.budget, plan.budget_in
+      ('float8', 0.1, 'noise')
     """
     measures = _check_measures(measures)
     cost, device = _check_cost(cost)
     allowed = _check_allowed(allowed)
-    limit = _check_budget(budget, measures)
+    limit, by = check_budget(budget, measures)
     for m in measures:
         usable = [f for f in PRECISION if f in allowed and f in m.errors]
         if not any(math.isfinite(m.errors[f]) for f in usable):
             _no_format(m, usable, allowed)
-    chosen = choose(measures, cost, limit, allowed)
+    chosen = choose(measures, cost, limit, allowed, by=by)
     if chosen is None:
         least = in_order(
-            min(e for f, e in m.errors.items() if f in allowed and math.isfinite(e))
+            min(
+                e
+                for f, e in scores(m, by).items()
+                if f in allowed and math.isfinite(e)
+            )
             for m in measures
         )
         raise ValueError(
-            f"no plan meets `budget` {number(limit)}: the smallest total error the "
+            f"no plan meets `budget` {number(limit)}: the smallest total {by} the "
             f"allowed formats reach is {number(least)} (each site in its most "
             "accurate measured format). Raise `budget`, allow more precise formats "
             f"(`allowed`: {', '.join(f.value for f in PRECISION if f in allowed)}), "
             "or measure float32 where it is missing."
         )
     allow = tuple(f for f in PRECISION if f in allowed)
-    return Plan(measures, tuple(chosen), limit, device, cost, allowed=allow)
+    return Plan(
+        measures, tuple(chosen), limit, device, cost, allowed=allow, budget_in=by
+    )
 
 
 def _no_format(m: SiteMeasure, usable: list[Format], allowed: frozenset[Format]):

@@ -17,6 +17,17 @@ operands and returns, as the cotangent of a zero *probe* input, per format:
 - counts: outputs that overflow where the reference is finite, operands beyond
   the format's range, gradients that overflow or flush to zero once scaled.
 
+and, once, the reference's own sums (:data:`REFERENCE`), among them the
+*noise*: the site's rows (the free elements of ``x``, the examples and
+positions, in row-major order) split into two halves of ``h`` and ``N - h``
+rows, with ``dw1`` the first half's weight gradient and ``dw2 = dw - dw1``,
+``h (N - h) |dw1 / h - dw2 / (N - h)|**2`` estimates ``tr Var(dw)``, the
+minibatch noise of the site's weight gradient (rows independent: the two
+half-means differ by noise alone, their difference's variance is
+``tr Sigma (1/h + 1/(N - h))`` and the batch's ``N tr Sigma``, ``Sigma`` a
+row's covariance). A site of one row cannot split: its ``noise`` and
+``halves`` are 0.
+
 The probe is a :class:`TapStats` (:mod:`jaxscale._probe`): each field named,
 the per-format ones ``f32[len(PRECISION)]``. Probes in a ``scan`` body enter
 once per iteration; their cotangents are summed over the iterations (every
@@ -68,6 +79,8 @@ REFERENCE = (
     "grads",  # nonzero elements of the gradient
     "inputs",  # elements of both operands
     "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
+    "noise",  # h (N - h) |dw1 / h - dw2 / (N - h)|**2: the weight gradient's noise
+    "halves",  # 1 where the rows split in two (N >= 2), else 0: noise measured
 )
 SESSION = Scope("precision sensor")
 
@@ -91,6 +104,8 @@ class TapStats(NamedTuple):
     grads: Any
     inputs: Any
     grad_beyond: Any
+    noise: Any
+    halves: Any
 
     @classmethod
     def zeros(cls) -> TapStats:
@@ -157,6 +172,25 @@ def _beyond(x, dtype: np.dtype) -> jax.Array:
 
 def _sq(d) -> jax.Array:
     return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
+
+
+def _noise(x, w, g, dims, dw) -> tuple[jax.Array, float]:
+    """``(noise, halves)`` of a site (see the module's docstring): its rows
+    split in two, the first ``h`` rows' weight gradient against the rest's."""
+    (lc, _), (lb, _) = dims
+    free = [a for a in range(x.ndim) if a not in lc and a not in lb]
+    rows = math.prod(x.shape[a] for a in free)
+    if rows < 2:
+        return jnp.zeros((), _F32), 0.0
+    h = rows // 2
+    index = jnp.zeros((), jnp.int32)  # the row's place in row-major order
+    for a in free:
+        index = index * x.shape[a] + lax.broadcasted_iota(jnp.int32, x.shape, a)
+    first = jnp.where(index < h, x, 0.0)
+    _, vjp = jax.vjp(lambda b: _reference(first, b, dims), w)
+    (dw1,) = vjp(g)
+    d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (rows - h))
+    return float(h * (rows - h)) * _sq(d), 1.0
 
 
 def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
@@ -239,6 +273,7 @@ def _tap(
         top = float(jnp.finfo(dtype).max)
         ref = [_sq(dx), _sq(dw), y.size, _count(g != 0), x.size + w.size]
         ref.append(_count(jnp.abs(g) > top))
+        ref.extend(_noise(x32, w32, g, dims, dw))
         # Stacked, then named: under ``vmap`` the sizes are batched like the
         # sums and added over the examples as they are.
         probe = TapStats(
