@@ -313,7 +313,8 @@ def test_the_16_bit_budget_needs_every_site_measured_in_16_bits():
     assert plan.formats()["d"] in (F.HALF_WIDE, F.FLOAT32)
     with pytest.raises(
         ValueError,
-        match=r"`budget` must be a number or one of \['16-bit', 'bfloat16'\].*'fp8'",
+        match=r"`budget` must be a NoiseBudget, a number or one of "
+        r"\['noise', '16-bit', 'bfloat16'\].*got 'fp8'",
     ):
         jxp.solve([site("a")], cost=H100, budget="fp8")
 
@@ -393,13 +394,21 @@ def test_the_plan_prints_a_table():
     ]
     up = next(line for line in lines if "mlp_up" in line)
     assert "16384 x 4096 x 28672" in up and "float8" in up and "15.5 ms" in up
-    assert up.endswith("float8: 0.82x the 16-bit time, error 1.0e-4 within the budget")
+    # Each other format's reason: over the budget, its range fails, no faster.
+    assert up.endswith(
+        "float8: 0.82x the 16-bit time, error 1.0e-4 within the budget; "
+        "16-bit (1.00x) and float32 (1.93x) no faster"
+    )
     qkv = next(line for line in lines if "qkv" in line)
     assert qkv.endswith(
         "; float8 (0.93x, error 0.003) here would take the plan over it"
+        "; float32 (2.03x) no faster"
     )
     down = next(line for line in lines if "mlp_down" in line)
-    assert down.endswith("float8 (0.85x, amax beyond e4m3 after scaling) fails here")
+    assert down.endswith(
+        "float8 (0.85x, amax beyond e4m3 after scaling) fails here"
+        "; float32 (2.09x) no faster"
+    )
     with pytest.warns(jxp.PlanBudgetWarning):
         over = plan.replace("GPT/block_0/qkv", F.FLOAT8)
     assert "  error 0.0033, OVER the budget 4.0e-4" in str(over).splitlines()
@@ -464,7 +473,7 @@ def test_json_round_trips_exactly():
         assert back == p and hash(back) == hash(p)
         assert back.to_json() == text and str(back) == str(p)
     doc = json.loads(plan.to_json())
-    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 2
+    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 3
     assert doc["sites"][2]["errors"]["float8"] == "inf"
 
 
@@ -485,10 +494,10 @@ def test_bad_json_raises_clearly():
         jxp.Plan.from_json("[]")
     with pytest.raises(
         ValueError,
-        match=r"reads plans of versions 1 and 2, got version 3: load it with the "
+        match=r"reads plans of versions 1, 2 and 3, got version 4: load it with the "
         r"jaxscale that wrote it",
     ):
-        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=3, extra=1)))
+        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=4, extra=1)))
     with pytest.raises(ValueError, match=r"missing \[\], unknown \['comment'\]"):
         jxp.Plan.from_json(_edited(plan, lambda d: d.update(comment="mine")))
     with pytest.raises(
@@ -668,9 +677,14 @@ def test_bad_site_measures_raise_naming_the_argument(kwargs, error, match):
         (
             dict(budget=True),
             TypeError,
-            r"`budget` must be a number or one of \['16-bit', 'bfloat16'\], got bool",
+            r"`budget` must be a NoiseBudget, a number or one of "
+            r"\['noise', '16-bit', 'bfloat16'\], got bool",
         ),
-        (dict(budget=None), TypeError, r"`budget` must be a number .*got NoneType"),
+        (
+            dict(budget=None),
+            TypeError,
+            r"`budget` must be a NoiseBudget, a number .*got NoneType",
+        ),
         (
             dict(allowed=F.HALF),
             TypeError,
