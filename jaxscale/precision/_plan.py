@@ -551,7 +551,8 @@ class Plan:
             f"{self.seconds / self.half_seconds:.2f}x the 16-bit time "
             f"({duration(self.half_seconds)})",
             (
-                f"  error {number(self.error)}, {state} the budget {number(self.budget)}"
+                f"  error {number(self.error)}, {state} the budget "
+                f"{number(self.budget)}"
                 if self.budget_in == "error"
                 else f"  noise {number(self.spent)}, {state} the budget "
                 f"{number(self.budget)} (fractions of the minibatch gradient noise)"

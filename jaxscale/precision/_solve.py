@@ -153,8 +153,9 @@ def solve(
       >>> plan = jxs.precision.solve(measures, cost="H100", budget="16-bit")
       >>> [f.value for f in plan.formats().values()]
       ['16-bit', 'float8']
-      >>> print(plan.sites[1].why)
-      float8: 0.82x the 16-bit time, error 1.0e-4 within the budget; 16-bit (1.00x) and float32 (2.06x) no faster
+      >>> print(plan.sites[1].why)  # doctest: +NORMALIZE_WHITESPACE
+      float8: 0.82x the 16-bit time, error 1.0e-4 within the budget; 16-bit
+      (1.00x) and float32 (1.93x) no faster
 
       With noise figures (a sensor's), the default budget is the noise's:
 
