@@ -86,8 +86,8 @@ def main(argv=None):
     for b in cal:
         sensor.update(params, b)
     sensed = time.perf_counter() - t0
-    plan = sensor.plan()
-    eight = sensor.plan(allowed={F.HALF, F.FLOAT8, F.FLOAT8_ROWWISE})
+    plan = sensor.plan(budget="16-bit")  # the budget of the recorded runs
+    eight = sensor.plan(budget="16-bit", allowed={F.HALF, F.FLOAT8, F.FLOAT8_ROWWISE})
     print(f"sensor: {len(plan.sites)} sites, 2 batches in {sensed:.1f} s")
     print(plan, "\n")
     print(eight, "\n")

@@ -22,8 +22,9 @@ picks some):
    (``CurrentScaling()``: the cost model decides per site, on the figures of
    the device JAX runs on, the H100 SXM's on a CPU);
 8. ``plan``: ``jxs.precision.Sensor(loss, jnp.bfloat16)`` on ``--calibration``
-   batches at the seed's initial parameters, then ``.plan(cost="H100")``
-   (the default budget, ``"16-bit"``), run with ``jxs.autocast(loss,
+   batches at the seed's initial parameters, then ``.plan(cost="H100",
+   budget="16-bit")`` (the budget the recorded runs used; the default is now
+   the noise budget), run with ``jxs.autocast(loss,
    jnp.bfloat16, plan=plan)``;
 9. a check of the sensor that does not use the speed model: float8 everywhere
    except the ``k`` sites with the highest float8 score, kept bfloat16
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         sensor = calibrate(loss32, nnx.state(model, nnx.Param), train_data, seed, cfg)
         measures = sensor.measures()
-        plan = sensor.plan(cost="H100")
+        plan = sensor.plan(cost="H100", budget="16-bit")
         calib_s = time.perf_counter() - t0
         labels = site_labels([m.site for m in measures], cfg.layers)
         print(
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "plan": json.loads(plan.to_json()),
             "plan_H200": {
-                s: f.name for s, f in sensor.plan(cost="H200").formats().items()
+                s: f.name
+                for s, f in sensor.plan(cost="H200", budget="16-bit").formats().items()
             },
             "formats": {
                 n: {s: f.name for s, f in fm.items()} for n, fm in formats.items()

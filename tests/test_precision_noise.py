@@ -160,9 +160,7 @@ def test_noise_figures_are_checked_against_the_errors():
     with pytest.raises(ValueError, match=r"`noise` must hold the formats of `errors`"):
         jxp.SiteMeasure("a", (8, 8, 8), (4, 4), {F.HALF: 1e-4}, noise={F.FLOAT8: 0.1})
     with pytest.raises(ValueError, match=r"inf exactly where `errors` is"):
-        jxp.SiteMeasure(
-            "a", (8, 8, 8), (4, 4), {F.HALF: math.inf}, noise={F.HALF: 0.1}
-        )
+        jxp.SiteMeasure("a", (8, 8, 8), (4, 4), {F.HALF: math.inf}, noise={F.HALF: 0.1})
     with pytest.raises(ValueError, match=r"`noise\[Format.HALF\]` must be a non-neg"):
         jxp.SiteMeasure("a", (8, 8, 8), (4, 4), {F.HALF: 1e-4}, noise={F.HALF: -1})
 

@@ -140,8 +140,7 @@ def _user_why(
     value = scores(m, by if m.noise is not None else "error")[fmt]
     label = by if m.noise is not None else "error"
     return (
-        f"{fmt.value}: {reason}; {ratio:.2f}x the 16-bit time, {label} "
-        f"{number(value)}"
+        f"{fmt.value}: {reason}; {ratio:.2f}x the 16-bit time, {label} {number(value)}"
     )
 
 

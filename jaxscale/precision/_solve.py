@@ -30,7 +30,6 @@ from jaxscale.precision._plan import Plan
 __all__ = ["feasible_time", "frontier", "half_error", "picoseconds", "solve"]
 
 
-
 def _check_measures(measures: Any) -> tuple[SiteMeasure, ...]:
     if isinstance(measures, str | bytes | Mapping) or not isinstance(
         measures, Iterable
@@ -179,9 +178,7 @@ def solve(
     if chosen is None:
         least = in_order(
             min(
-                e
-                for f, e in scores(m, by).items()
-                if f in allowed and math.isfinite(e)
+                e for f, e in scores(m, by).items() if f in allowed and math.isfinite(e)
             )
             for m in measures
         )
