@@ -72,7 +72,7 @@ RUNS = ("float32", "global", "per-site")
 MODELS = ("deep", "residual")
 SIZES = {
     "full": dict(features=16, width=64, depth=20, batch=128, steps=1500, lr=3e-3),
-    "quick": dict(features=16, width=32, depth=12, batch=32, steps=12, lr=3e-3),
+    "quick": dict(features=8, width=16, depth=4, batch=16, steps=6, lr=3e-3),
 }
 INIT_SCALE = 2.0**15
 GROWTH_INTERVAL = 100
@@ -259,6 +259,26 @@ def next_scales(
 
 
 def train(run: str, params: dict, xs, ys, size: dict, target: int) -> dict:
+    loop, tx = _loop(run, tuple(sorted(size.items())), target)
+    (params, state, scales), (losses, zeros) = loop(params, xs, ys)
+    losses, zeros = np.asarray(losses), np.asarray(zeros)
+    scaled = run != "float32"
+    top = float(jxs.loss_scale_of(state).loss_scale) if scaled else 1.0
+    depth = size["depth"]
+    return dict(
+        params=params,
+        losses=losses,
+        zeros=zeros,
+        skipped=int(state.skipped_steps) if scaled else 0,
+        top=top,
+        scales=np.asarray(scales) if run == "per-site" else np.full(depth, top),
+    )
+
+
+@functools.cache
+def _loop(run: str, size_items: tuple, target: int) -> tuple[Any, Any]:
+    """The jitted training loop of one run (compiled once for every seed)."""
+    size = dict(size_items)
     depth = size["depth"]
     inner = optax.adam(optax.cosine_decay_schedule(size["lr"], size["steps"]))
     probes = [jnp.zeros((size["batch"], size["width"]))] * depth
@@ -280,7 +300,8 @@ def train(run: str, params: dict, xs, ys, size: dict, target: int) -> dict:
         if run == "float32":
             value, grads = jax.value_and_grad(loss)(params, probes, ones, ones, x, y)
             updates, state = tx.update(grads, state, params)
-            return (optax.apply_updates(params, updates), state, scales), value
+            zeros = jnp.zeros(depth)
+            return (optax.apply_updates(params, updates), state, scales), (value, zeros)
         top = jxs.loss_scale_of(state).loss_scale
         use = scales if run == "per-site" else jnp.full(depth, top)
         value, (grads, cts) = jxs.value_and_grad(loss, state, argnums=(0, 1))(
@@ -301,26 +322,34 @@ def train(run: str, params: dict, xs, ys, size: dict, target: int) -> dict:
             ]
         )
         amax = jnp.stack([jnp.max(jnp.abs(c)) for c in cts])
+        zeros = jnp.stack([jnp.mean((c == 0).astype(jnp.float32)) for c in cts])
         updates, state = tx.update(grads, state, params)
         scales = next_scales(scales, amax, finite, target)
-        return (optax.apply_updates(params, updates), state, scales), value
+        return (optax.apply_updates(params, updates), state, scales), (value, zeros)
 
     @jax.jit
     def loop(params, xs, ys):
         init = (params, tx.init(params), jnp.full(depth, INIT_SCALE))
         return jax.lax.scan(step, init, (xs, ys))
 
-    (params, state, scales), losses = loop(params, xs, ys)
-    losses = np.asarray(losses)
-    scaled = run != "float32"
-    top = float(jxs.loss_scale_of(state).loss_scale) if scaled else 1.0
-    return dict(
-        params=params,
-        losses=losses,
-        skipped=int(state.skipped_steps) if scaled else 0,
-        top=top,
-        scales=np.asarray(scales) if run == "per-site" else np.full(depth, top),
-    )
+    return loop, tx
+
+
+@jax.jit
+def _ref_cotangents(params, probes, x, y):
+    ones = jnp.ones(len(probes))
+    return jax.grad(highest(loss_fn), argnums=1)(params, probes, ones, ones, x, y)
+
+
+@jax.jit
+def _half_cotangents(params, probes, s, top, x, y):
+    def scaled(p, q):
+        return half_loss(p, q, s, _above(s, top), x, y) * top
+
+    return jax.grad(scaled, argnums=1)(params, probes)
+
+
+evaluate = jax.jit(highest(loss_fn))
 
 
 def underflow(params, held, scales: np.ndarray, top: float, depth: int) -> dict:
@@ -328,22 +357,12 @@ def underflow(params, held, scales: np.ndarray, top: float, depth: int) -> dict:
     values that are zero in the float16 backward at ``scales`` (``top`` at the
     loss)."""
     probes = [jnp.zeros((held[0].shape[1], params["head"]["w"].shape[0]))] * depth
-    ones = jnp.ones(depth)
-    ref_fn = jax.jit(jax.grad(highest(loss_fn), argnums=1))
-
-    @jax.jit
-    def got_fn(params, s, x, y):
-        t = jnp.float32(top)
-        return jax.grad(lambda p, q: half_loss(p, q, s, _above(s, t), x, y) * t, 1)(
-            params, probes
-        )
-
-    s = jnp.asarray(scales, jnp.float32)
+    s, t = jnp.asarray(scales, jnp.float32), jnp.float32(top)
     shares = np.zeros(depth)
     amax = np.zeros(depth)
     for x, y in zip(*held, strict=True):
-        ref = ref_fn(params, probes, ones, ones, x, y)
-        got = got_fn(params, s, x, y)
+        ref = _ref_cotangents(params, probes, x, y)
+        got = _half_cotangents(params, probes, s, t, x, y)
         for i in range(depth):
             r, g = np.asarray(ref[i]), np.asarray(got[i])
             nz = r != 0
@@ -355,10 +374,12 @@ def underflow(params, held, scales: np.ndarray, top: float, depth: int) -> dict:
 def one_seed(model: str, seed: int, size: dict, gain: float, target: int) -> dict:
     xs, ys, held = make_data(seed, size)
     params0 = init_params(jax.random.key(seed), model, size, gain)
-    evaluate = jax.jit(highest(loss_fn))
     ones = jnp.ones(size["depth"])
     probes = [jnp.zeros((size["batch"], size["width"]))] * size["depth"]
-    out: dict[str, Any] = dict(seed=seed, runs={})
+    init_amax = underflow(
+        params0, held, np.full(size["depth"], INIT_SCALE), INIT_SCALE, size["depth"]
+    )["amax"]
+    out: dict[str, Any] = dict(seed=seed, init_amax=init_amax, runs={})
     tail = max(1, size["steps"] // 10)
     for run in RUNS:
         t0 = time.perf_counter()
@@ -380,6 +401,8 @@ def one_seed(model: str, seed: int, size: dict, gain: float, target: int) -> dic
             u = underflow(r["params"], held, r["scales"], r["top"], size["depth"])
             row.update(share=u["share"], amax=u["amax"])
             row["log2_scales"] = np.log2(r["scales"]).tolist()
+            row["zeros_early"] = r["zeros"][:tail].mean(axis=0).tolist()
+            row["zeros_all"] = r["zeros"].mean(axis=0).tolist()
         out["runs"][run] = row
     return out
 
@@ -417,23 +440,36 @@ def loss_table(results: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
+def _cells(xs: list[float], spec: str) -> str:
+    return " / ".join(format(x, spec) for x in xs)
+
+
+def _log2(xs: list[float]) -> str:
+    return " / ".join(f"{math.log2(a):.0f}" if a > 0 else "-inf" for a in xs)
+
+
 def site_table(results: list[dict]) -> str:
+    """Per layer: amaxes, zero shares in training, underflow at the end."""
     lines = [
-        "| layer | log2 amax (float32) | global: underflow share | per-site: "
-        "underflow share | per-site: log2 S_i |",
-        "|---|---|---|---|---|",
+        "| layer | log2 amax, init | log2 amax, final | global: zero share, "
+        "first 10% / all steps | per-site: zero share, first 10% / all steps "
+        "| global: underflow, final | per-site: underflow, final "
+        "| per-site: log2 S_i, final |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     depth = len(results[0]["runs"]["global"]["share"])
     for i in range(depth):
-        amax = [r["runs"]["global"]["amax"][i] for r in results]
-        g = [r["runs"]["global"]["share"][i] for r in results]
-        p = [r["runs"]["per-site"]["share"][i] for r in results]
-        s = [r["runs"]["per-site"]["log2_scales"][i] for r in results]
+        g = [r["runs"]["global"] for r in results]
+        p = [r["runs"]["per-site"] for r in results]
+        zg = [f"{x['zeros_early'][i]:.2f} / {x['zeros_all'][i]:.2f}" for x in g]
+        zp = [f"{x['zeros_early'][i]:.2f} / {x['zeros_all'][i]:.2f}" for x in p]
         lines.append(
-            f"| {i} | {' / '.join(f'{math.log2(a):.1f}' if a > 0 else '-inf' for a in amax)} "
-            f"| {' / '.join(f'{x:.3f}' for x in g)} "
-            f"| {' / '.join(f'{x:.3f}' for x in p)} "
-            f"| {' / '.join(f'{x:g}' for x in s)} |"
+            f"| {i} | {_log2([r['init_amax'][i] for r in results])} "
+            f"| {_log2([x['amax'][i] for x in g])} "
+            f"| {' ; '.join(zg)} | {' ; '.join(zp)} "
+            f"| {_cells([x['share'][i] for x in g], '.3f')} "
+            f"| {_cells([x['share'][i] for x in p], '.3f')} "
+            f"| {_cells([x['log2_scales'][i] for x in p], 'g')} |"
         )
     return "\n".join(lines)
 
@@ -445,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, help="training steps per run")
     parser.add_argument("--depth", type=int, help="layers (boundaries)")
     parser.add_argument(
-        "--gain", type=float, default=0.5, help="deep: weight gain of layers 1.."
+        "--gain", type=float, default=0.25, help="deep: weight gain of layers 1.."
     )
     parser.add_argument(
         "--target", type=int, default=8, help="per-site: amax * S_i below 2**target"
@@ -491,9 +527,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(loss_table(results, size["steps"]))
         print()
         print(
-            "Per layer (0 = first), at each run's final parameters: cells are "
-            "seeds; underflow share = float32-nonzero cotangent values that are "
-            "zero in float16."
+            "Per layer (0 = first; cells are seeds): the float32 cotangent's "
+            "amax at the initial parameters and at global's final ones; the "
+            "share of the float16 cotangent that is zero during training (mean "
+            "over the first 10% of steps and over all); at each run's final "
+            "parameters, the share of the float32 cotangent's nonzero values "
+            "that are zero in float16 (underflow), and per-site's final scales."
         )
         print()
         print(site_table(results))
