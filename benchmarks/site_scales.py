@@ -27,7 +27,7 @@ Three runs per seed, same initial parameters and batches (adam, cosine decay):
   that multiplies the incoming cotangent by ``S_i / S_{i+1}``; the layer's
   weight gradients come out at ``S_i`` and are brought to the global scale in
   float32). ``S_i`` is delayed, as float8's scales are: chosen from the previous
-  step's amax of that cotangent so that ``amax * S_i`` is in
+  step's amax of the cotangent arriving there so that ``amax * S_i`` is in
   ``[2**(t-1), 2**t)`` (``--target``), divided by 16 after a step whose layer
   gradients overflowed, kept after one whose cotangent was all zero.
 
@@ -87,23 +87,26 @@ MIN_SCALE, MAX_SCALE = 2.0**-20, 2.0**60  # the per-site scales' clip
 def _rescale(g, scale, above, dtype):
     # The product in float32 (a ratio up to 2**80 is no float16), then the one
     # rounding to the dtype the backward flows in.
-    out = (g.astype(jnp.float32) * (scale / above)).astype(dtype)
-    return out, out.astype(jnp.float32) / scale
+    g = g.astype(jnp.float32)
+    out = (g * (scale / above)).astype(dtype)
+    return out, out.astype(jnp.float32) / scale, jnp.max(jnp.abs(g)) / above
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def boundary(h, scale, above, probe, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def boundary(h, scale, above, probe, stat, dtype):
     """Identity on ``h``. Backward: the cotangent arrives at scale ``above``
     (``f32[]``, the region above's), leaves at ``scale`` (``f32[]``), rounded
-    to ``dtype`` (static; the dtype the backward flows in); ``probe``'s
+    to ``dtype`` (static; the dtype the backward flows in). ``probe``'s
     cotangent is that rounded cotangent in true units (divided by ``scale``),
-    in float32."""
-    del scale, above, probe, dtype
+    in float32; ``stat``'s (``f32[]``) the incoming cotangent's amax in true
+    units (the delayed rule's input: it is there even where ``scale`` is
+    too small for anything to survive the rounding)."""
+    del scale, above, probe, stat, dtype
     return h
 
 
-def _boundary_fwd(h, scale, above, probe, dtype):
-    del probe, dtype
+def _boundary_fwd(h, scale, above, probe, stat, dtype):
+    del probe, stat, dtype
     return h, (scale, above)
 
 
@@ -112,8 +115,8 @@ def _boundary_bwd(dtype, res, g):
     # Autocast traces this rule at the forward's traced dtypes (float32) and runs
     # it on the float16 cotangent: enabled=False keeps the product in float32
     # (autocast's scalar rule would take it to float16, where 2**20 is inf).
-    out, true = jxs.autocast(_rescale, enabled=False)(g, scale, above, dtype)
-    return out, jnp.zeros_like(scale), jnp.zeros_like(above), true
+    out, true, amax = jxs.autocast(_rescale, enabled=False)(g, scale, above, dtype)
+    return out, jnp.zeros_like(scale), jnp.zeros_like(above), true, amax
 
 
 boundary.defvjp(_boundary_fwd, _boundary_bwd)
@@ -182,7 +185,9 @@ def forward(params, x, scales, above, probes, dtype=jnp.float32):
             h = jnp.tanh(_dense(p, h) + x @ p["u"])
         else:
             h = jnp.tanh(_dense(p, h))
-        h = boundary(h, scales[i], above[i], probes[i], dtype)
+        h = boundary(
+            h, scales[i], above[i], probes["probe"][i], probes["stat"][i], dtype
+        )
     if residual:
         h = _norm(jnp.ones(h.shape[-1]), h)
     return _dense(params["head"], h)
@@ -238,6 +243,12 @@ def make_data(seed: int, size: dict) -> tuple[np.ndarray, np.ndarray, tuple]:
 # --------------------------------------------------------------------------- #
 
 
+def make_probes(batch: int, width: int, depth: int) -> dict:
+    """Zeros whose cotangents are each boundary's rounded cotangent (``probe``,
+    true units) and incoming amax (``stat``, ``f32[depth]``)."""
+    return {"probe": [jnp.zeros((batch, width))] * depth, "stat": jnp.zeros(depth)}
+
+
 def _above(scales: jax.Array, top: jax.Array) -> jax.Array:
     """Each boundary's incoming scale: the next boundary's, the loss scale's for
     the last."""
@@ -281,7 +292,7 @@ def _loop(run: str, size_items: tuple, target: int) -> tuple[Any, Any]:
     size = dict(size_items)
     depth = size["depth"]
     inner = optax.adam(optax.cosine_decay_schedule(size["lr"], size["steps"]))
-    probes = [jnp.zeros((size["batch"], size["width"]))] * depth
+    probes = make_probes(size["batch"], size["width"], depth)
     ones = jnp.ones(depth)
     if run == "float32":
         tx, loss = inner, highest(loss_fn)
@@ -321,8 +332,10 @@ def _loop(run: str, size_items: tuple, target: int) -> tuple[Any, Any]:
                 for g in layers
             ]
         )
-        amax = jnp.stack([jnp.max(jnp.abs(c)) for c in cts])
-        zeros = jnp.stack([jnp.mean((c == 0).astype(jnp.float32)) for c in cts])
+        amax = cts["stat"]  # incoming, true units
+        zeros = jnp.stack(
+            [jnp.mean((c == 0).astype(jnp.float32)) for c in cts["probe"]]
+        )
         updates, state = tx.update(grads, state, params)
         scales = next_scales(scales, amax, finite, target)
         return (optax.apply_updates(params, updates), state, scales), (value, zeros)
@@ -337,7 +350,7 @@ def _loop(run: str, size_items: tuple, target: int) -> tuple[Any, Any]:
 
 @jax.jit
 def _ref_cotangents(params, probes, x, y):
-    ones = jnp.ones(len(probes))
+    ones = jnp.ones(len(probes["stat"]))
     return jax.grad(highest(loss_fn), argnums=1)(params, probes, ones, ones, x, y)
 
 
@@ -356,7 +369,7 @@ def underflow(params, held, scales: np.ndarray, top: float, depth: int) -> dict:
     """Per layer: the float32 cotangent's amax and the share of its nonzero
     values that are zero in the float16 backward at ``scales`` (``top`` at the
     loss)."""
-    probes = [jnp.zeros((held[0].shape[1], params["head"]["w"].shape[0]))] * depth
+    probes = make_probes(held[0].shape[1], params["head"]["w"].shape[0], depth)
     s, t = jnp.asarray(scales, jnp.float32), jnp.float32(top)
     shares = np.zeros(depth)
     amax = np.zeros(depth)
@@ -364,7 +377,7 @@ def underflow(params, held, scales: np.ndarray, top: float, depth: int) -> dict:
         ref = _ref_cotangents(params, probes, x, y)
         got = _half_cotangents(params, probes, s, t, x, y)
         for i in range(depth):
-            r, g = np.asarray(ref[i]), np.asarray(got[i])
+            r, g = np.asarray(ref["probe"][i]), np.asarray(got["probe"][i])
             nz = r != 0
             shares[i] += np.sum(nz & (g == 0)) / max(1, np.sum(nz)) / len(held[0])
             amax[i] = max(amax[i], float(np.max(np.abs(r))))
@@ -375,7 +388,7 @@ def one_seed(model: str, seed: int, size: dict, gain: float, target: int) -> dic
     xs, ys, held = make_data(seed, size)
     params0 = init_params(jax.random.key(seed), model, size, gain)
     ones = jnp.ones(size["depth"])
-    probes = [jnp.zeros((size["batch"], size["width"]))] * size["depth"]
+    probes = make_probes(size["batch"], size["width"], size["depth"])
     init_amax = underflow(
         params0, held, np.full(size["depth"], INIT_SCALE), INIT_SCALE, size["depth"]
     )["amax"]
