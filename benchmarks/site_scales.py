@@ -44,7 +44,7 @@ scale(s).
 
 Run::
 
-    python benchmarks/site_scales.py                      # ~1 minute
+    python benchmarks/site_scales.py                      # ~7 minutes, 2 CPU cores
     python benchmarks/site_scales.py --json site_scales.json
     python benchmarks/site_scales.py --quick              # seconds: the tests' size
 """
