@@ -15,19 +15,23 @@ batches; the four runs of a seed see the same ones):
 3. ``bfloat16 all-to-all``: ``jxs.reduce_gradients(wire_dtype=jnp.bfloat16)``
    (block scales, float32 sum) inside ``dynamic_scaling``;
 4. ``float8 e4m3 + error feedback``: the same with ``jnp.float8_e4m3fn`` and
-   ``error_feedback=True``.
+   ``error_feedback=True``;
+5. ``float8 e4m3 + error feedback, 16-bit warm-up``: the same with
+   ``warmup_steps=--warmup`` (bfloat16 on the wire for the first steps).
 
 Rows 1 and 2 reduce the scaled gradients in the step, before ``tx.update``
 (``dynamic_scaling`` then sees the mean), rows 3 and 4 inside
 ``dynamic_scaling`` (unscaled, ``axis_name="data"``), as docs/multidevice.md
-places them. Printed: the final validation loss (a fixed held-out set, evaluated in
-float32) per run as mean and spread (max - min) over the seeds, the steps
+places them. Printed: the validation loss (a fixed held-out set, evaluated in
+float32) at the end, and mid-training at each step of ``--eval`` (one table
+each), per run as mean and spread (max - min) over the seeds, the steps
 skipped, and the gap of the mean to float32's in units of float32's spread:
 within twice the spread, or the gap stated. XLA:CPU widens bfloat16 and float8
 collectives on the wire; the values sent are rounded to the wire dtype first,
 so the numerics are the wire dtype's.
 
     python benchmarks/wire_training.py               # 300 steps, 3 seeds
+    python benchmarks/wire_training.py --runs f32,f8,f8w --eval 150
     python benchmarks/wire_training.py --steps 40 --seeds 2   # quick
 """
 
@@ -61,6 +65,7 @@ RUNS = MappingProxyType(  # --runs key: the row's name
         "f16": "float16 pmean",
         "bf16": "bfloat16 all-to-all",
         "f8": "float8 e4m3 + error feedback",
+        "f8w": "float8 e4m3 + error feedback, 16-bit warm-up",
     }
 )
 DEVICES = 8
@@ -128,7 +133,7 @@ def pmean_in(grads, dtype):
     )
 
 
-def optimizer(run: str, lr: float) -> optax.GradientTransformation:
+def optimizer(run: str, lr: float, warmup: int) -> optax.GradientTransformation:
     adam = optax.adam(lr)
     if run in PMEAN:
         return jxs.dynamic_scaling(adam)  # the step reduces the scaled gradients
@@ -136,7 +141,10 @@ def optimizer(run: str, lr: float) -> optax.GradientTransformation:
         reduce = jxs.reduce_gradients("data", wire_dtype=jnp.bfloat16)
     else:
         reduce = jxs.reduce_gradients(
-            "data", wire_dtype=jnp.float8_e4m3fn, error_feedback=True
+            "data",
+            wire_dtype=jnp.float8_e4m3fn,
+            error_feedback=True,
+            warmup_steps=warmup if run == RUNS["f8w"] else 0,
         )
     return jxs.dynamic_scaling(optax.chain(reduce, adam), axis_name="data")
 
@@ -145,12 +153,20 @@ _STEPS: dict = {}
 _evaluate = jax.jit(loss_fn)
 
 
-def train(run: str, seed: int, data, args) -> tuple[float, int]:
-    """Trains one run; returns its final validation loss and skipped steps."""
+def validate(params, val_ids, context: int) -> float:
+    val_rng = np.random.default_rng(1234)  # the same held-out windows everywhere
+    starts = val_rng.integers(0, len(val_ids) - context - 1, 512)
+    w = val_ids[starts[:, None] + np.arange(context + 1)]
+    return float(_evaluate(params, w[:, :-1], w[:, 1:]))
+
+
+def train(run: str, seed: int, data, args) -> tuple[list[float], int]:
+    """Trains one run; returns its validation losses (at each ``--eval``
+    step, then at the end) and its skipped steps."""
     train_ids, val_ids, vocab = data
     mesh = jax.make_mesh((DEVICES,), ("data",))
     params = init(jax.random.key(seed), vocab, args.context, args.dim)
-    tx = optimizer(run, args.lr)
+    tx = optimizer(run, args.lr, args.warmup)
     with jax.set_mesh(mesh):  # error feedback's init needs the axis size
         opt_state = tx.init(params)
     specs = jxs.reduce_state_specs(opt_state, "data")
@@ -183,7 +199,10 @@ def train(run: str, seed: int, data, args) -> tuple[float, int]:
     batch = DEVICES * args.batch
     sharding = NamedSharding(mesh, P("data"))
     skipped = 0
-    for _ in range(args.steps):
+    vals = []
+    for i in range(args.steps):
+        if i in args.eval:
+            vals.append(validate(params, val_ids, args.context))
         starts = rng.integers(0, len(train_ids) - args.context - 1, batch)
         w = train_ids[starts[:, None] + np.arange(args.context + 1)]
         x, y = jax.device_put((w[:, :-1], w[:, 1:]), sharding)
@@ -192,11 +211,7 @@ def train(run: str, seed: int, data, args) -> tuple[float, int]:
         # when the next step's threads take the pool the current one waits for.
         jax.block_until_ready(params)
     skipped = int(jxs.diagnostics.summary(opt_state)["skipped_steps"])
-    val_rng = np.random.default_rng(1234)  # the same held-out windows everywhere
-    starts = val_rng.integers(0, len(val_ids) - args.context - 1, 512)
-    w = val_ids[starts[:, None] + np.arange(args.context + 1)]
-    val = _evaluate(params, w[:, :-1], w[:, 1:])
-    return float(val), skipped
+    return [*vals, validate(params, val_ids, args.context)], skipped
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,9 +223,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--runs", default=",".join(RUNS), help="comma-separated, from: f32,f16,bf16,f8"
+        "--warmup", type=int, default=100, help="f8w's warm-up steps in bfloat16"
+    )
+    parser.add_argument(
+        "--eval",
+        default="",
+        help="comma-separated steps at which to evaluate mid-training too",
+    )
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="comma-separated, from: f32,f16,bf16,f8,f8w",
     )
     args = parser.parse_args(argv)
+    args.eval = sorted({int(s) for s in args.eval.split(",") if s})
+    if not all(0 < s < args.steps for s in args.eval):
+        parser.error(f"--eval steps must lie in 1..{args.steps - 1}, got {args.eval}")
     keys = args.runs.split(",")
     if keys[0] != "f32" or not set(keys) <= set(RUNS):
         parser.error(f"--runs must start with f32 and name runs of {list(RUNS)}")
@@ -220,22 +248,32 @@ def main(argv: list[str] | None = None) -> None:
         f"char transformer (1 block, dim {args.dim}, context {args.context}), "
         f"{DEVICES} CPU devices x {args.batch} sequences, {args.steps} steps, "
         f"seeds 0..{args.seeds - 1}; float16 autocast + dynamic_scaling(adam); "
-        f"jax {jax.__version__}"
+        f"f8w warm-up {args.warmup} steps; jax {jax.__version__}"
     )
-    results: dict[str, list[tuple[float, int]]] = {}
+    results: dict[str, list[tuple[list[float], int]]] = {}
     start = time.perf_counter()
     for run in runs:
         t = time.perf_counter()
         results[run] = [train(run, seed, data, args) for seed in range(args.seeds)]
         print(f"  {run}: {time.perf_counter() - t:.0f} s", flush=True)
     seconds = time.perf_counter() - start
-    ref = np.array([v for v, _ in results[runs[0]]])
+    for at, step in enumerate([*args.eval, args.steps]):
+        table(runs, results, at, step, args.steps)
+    print(f"\n({len(runs) * args.seeds} runs in {seconds:.0f} s)")
+
+
+def table(runs: list[str], results: dict, at: int, step: int, steps: int) -> None:
+    """The table of validation losses after ``step`` steps (``at``: its index
+    among the evaluations)."""
+    ref = np.array([v[at] for v, _ in results[runs[0]]])
     ref_spread = float(ref.max() - ref.min())
+    what = "final val loss" if step == steps else f"val loss at step {step}"
+    skips = "skipped" if step == steps else "skipped (whole run)"
     print()
-    print("| reduction | final val loss (mean ± spread/2) | skipped | gap to float32 |")
+    print(f"| reduction | {what} (mean ± spread/2) | {skips} | gap to float32 |")
     print("|---|---|---|---|")
     for run in runs:
-        vals = np.array([v for v, _ in results[run]])
+        vals = np.array([v[at] for v, _ in results[run]])
         skipped = sum(s for _, s in results[run])
         gap = float(vals.mean() - ref.mean())
         spread = float(vals.max() - vals.min())
@@ -249,7 +287,6 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {run} | {vals.mean():.4f} ± {spread / 2:.4f} | {skipped} | {verdict} |"
         )
-    print(f"\n({len(runs) * args.seeds} runs in {seconds:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -357,18 +357,23 @@ class ReduceGradientsState(NamedTuple):
       mean_residual: ``f32[n, size // n]`` with error feedback (``None``
         without): row ``i`` is what rounding the mean of chunk ``i``, which
         device ``i`` sums and sends back, lost last time; added to its next mean.
+      warmup_count: ``i32[]`` with ``warmup_steps`` (``None`` without): the
+        steps with finite averaged gradients so far, counted up to
+        ``warmup_steps``; below it the gradients travel in ``warmup_dtype``.
 
-    Each device holds its own rows: shard both over the axis, ``P(axis_name)``
+    Each device holds its own residual rows: shard them over the axis,
+    ``P(axis_name)``; the count is the same everywhere, ``P()``
     (:func:`reduce_state_specs`).
 
     Examples:
       >>> import jaxscale as jxs
       >>> jxs.ReduceGradientsState(residual=None, mean_residual=None)
-      ReduceGradientsState(residual=None, mean_residual=None)
+      ReduceGradientsState(residual=None, mean_residual=None, warmup_count=None)
     """
 
     residual: jax.Array | None
     mean_residual: jax.Array | None
+    warmup_count: jax.Array | None = None
 
 
 def reduce_gradients(
@@ -377,6 +382,8 @@ def reduce_gradients(
     wire_dtype: Any = jnp.float32,
     block_size: int | None = _DEFAULT_BLOCK,
     error_feedback: bool = False,
+    warmup_steps: int = 0,
+    warmup_dtype: Any = jnp.bfloat16,
 ) -> optax.GradientTransformation:
     """An optax transformation that averages the gradients over a mapped axis:
     :func:`reduce_mean` as the first element of a chain.
@@ -407,12 +414,26 @@ def reduce_gradients(
     ``jax.set_mesh(mesh)`` (or inside the mapped function) and pass it with
     :func:`reduce_state_specs`.
 
+    With ``warmup_steps``, the first ``warmup_steps`` steps whose averaged
+    gradients are finite send them in ``warmup_dtype`` (bfloat16 by default,
+    with the same block scales), and every later step in ``wire_dtype``: early
+    in training, when the gradients change fastest, a float8 wire with error
+    feedback trails a float32 mean (``docs/multidevice.md`` measures it). The
+    switch is a ``lax.cond`` on a step count in the state: one compiled step,
+    no retrace and no host round trip; a skipped step (non-finite averaged
+    gradients) does not count. Error feedback, if on, compensates whichever
+    wire the step used.
+
     Args:
       axis_name: the mapped axis to average over (one name).
       wire_dtype: as for :func:`reduce_mean`.
       block_size: as for :func:`reduce_mean`.
       error_feedback: keep each device's quantisation error and add it to its
         next gradients (not with a ``float32`` wire, which has none).
+      warmup_steps: how many finite steps send in ``warmup_dtype`` before
+        ``wire_dtype`` takes over (default 0: none).
+      warmup_dtype: the wire of the warm-up, wider than ``wire_dtype``:
+        ``bfloat16`` (default), ``float16`` or ``float32``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -420,7 +441,9 @@ def reduce_gradients(
 
     Raises:
       TypeError, ValueError: as :func:`reduce_mean`, when built (arguments) or
-        updated (leaves); ``ValueError`` for error feedback with a float32 wire.
+        updated (leaves); ``ValueError`` for error feedback with a float32 wire,
+        a negative ``warmup_steps`` or a ``warmup_dtype`` no wider than
+        ``wire_dtype``; ``TypeError`` for a ``warmup_steps`` that is not an int.
 
     Examples:
       >>> import jaxscale as jxs, jax, jax.numpy as jnp, optax
@@ -449,11 +472,13 @@ def reduce_gradients(
             "wire rounds nothing to feed back), got error_feedback=True with "
             "float32."
         )
+    warmup = _warmup(warmup_steps, warmup_dtype, wire, block)
     what = "`update` of `jxs.reduce_gradients`"
 
     def init(params):
+        count = jnp.zeros((), jnp.int32) if warmup else None
         if not error_feedback:
-            return ReduceGradientsState(residual=None, mean_residual=None)
+            return ReduceGradientsState(None, None, count)
         try:  # inside the mapped function: this device's row
             n, rows = lax.axis_size(axis), 1
         except NameError:
@@ -462,15 +487,46 @@ def reduce_gradients(
         return ReduceGradientsState(
             residual=jnp.zeros((rows, size), _F32),
             mean_residual=jnp.zeros((rows, size // n), _F32),
+            warmup_count=count,
         )
+
+    def send(rows, carried, n, count):
+        """The mean of ``rows`` (``f32[n, k]``) and, with ``carried`` (error
+        feedback), what this device's rounding lost on the way out and on the
+        way back: on the wire of step ``count``."""
+
+        def on(dtype, blocks):
+            def transport(rows, carried):
+                mean, lost = _mean_of(rows, axis, n, dtype, blocks, carried)
+                if carried is None:
+                    return mean
+                q, scale = _quantize(rows, dtype, blocks)
+                return mean, rows - _dequantize(q, scale, blocks), lost
+
+            return transport
+
+        main = on(wire, block)
+        if not warmup:
+            return main(rows, carried)
+        steps, warm, warm_block = warmup
+        return lax.cond(count < steps, on(warm, warm_block), main, rows, carried)
 
     def update(updates, state, params=None):
         del params
         n = _axis_size(axis, what)
         flat = _flatten(updates, n, block, what, axis)
         vector = _concat(flat)
+        if warmup and state.warmup_count is None:
+            raise ValueError(
+                f"{what}: the state has no `warmup_count`, and the transformation "
+                f"warms up for {warmup[0]} steps: pass the state `init` of this "
+                "transformation built (one made without `warmup_steps` has none)."
+            )
+        count = state.warmup_count
         if state.residual is None:
-            mean, _ = _mean_of(vector.reshape(n, -1), axis, n, wire, block)
+            mean = send(vector.reshape(n, -1), None, n, count)
+            if warmup:
+                state = state._replace(warmup_count=_counted(state, mean, warmup))
             return _unflatten(flat, mean), state
         if state.residual.shape != (1, flat.padded):
             raise ValueError(
@@ -480,18 +536,51 @@ def reduce_gradients(
                 f"{axis!r})`), built by `init` for these gradients."
             )
         rows = (vector + state.residual[0]).reshape(n, -1)
-        q, scale = _quantize(rows, wire, block)
-        error = rows - _dequantize(q, scale, block)
-        mean, lost = _mean_of(rows, axis, n, wire, block, state.mean_residual[0])
+        mean, error, lost = send(rows, state.mean_residual[0], n, count)
         # One decision on every device: the mean is the same everywhere.
         finite = jnp.all(jnp.isfinite(mean))
         new = ReduceGradientsState(
             residual=jnp.where(finite, error.reshape(1, -1), state.residual),
             mean_residual=jnp.where(finite, lost[None], state.mean_residual),
+            warmup_count=_counted(state, mean, warmup) if warmup else None,
         )
         return _unflatten(flat, mean), new
 
     return optax.GradientTransformation(init, update)
+
+
+def _warmup(
+    steps: Any, dtype: Any, wire: np.dtype, block: int | None
+) -> tuple[int, np.dtype, int | None] | None:
+    """``(steps, dtype, block)`` of the warm-up wire, or ``None`` for none."""
+    if isinstance(steps, bool) or not isinstance(steps, int | np.integer):
+        raise TypeError(f"`warmup_steps` must be an int, got {steps!r}.")
+    if steps < 0:
+        raise ValueError(f"`warmup_steps` must be >= 0, got {steps}.")
+    if steps == 0:
+        return None  # `warmup_dtype` unused
+    try:
+        warm = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"`warmup_dtype` must be a dtype, got {dtype!r}.") from None
+    wider = [d for d in _WIRES if d.itemsize > wire.itemsize]
+    if warm not in wider:
+        names = ", ".join(d.name for d in wider) or "none"
+        raise ValueError(
+            f"`warmup_dtype` must be a wire wider than `wire_dtype` {wire.name} "
+            f"({names}), got {warm.name}."
+        )
+    # Chunks are cut in blocks of the main wire: the warm-up keeps its scales
+    # (float32 needs none; float16/bfloat16 take them where the wire has them).
+    return int(steps), warm, None if warm == _F32 else block
+
+
+def _counted(state: ReduceGradientsState, mean: jax.Array, warmup: tuple) -> Any:
+    """The warm-up count after a step: one more (up to the warm-up's length)
+    where the averaged gradients are finite, else as it was."""
+    finite = jnp.all(jnp.isfinite(mean))
+    count = state.warmup_count
+    return jnp.where(finite, jnp.minimum(count + 1, warmup[0]), count)
 
 
 def _mesh_axis_size(axis: str) -> int:
@@ -510,7 +599,8 @@ def _mesh_axis_size(axis: str) -> int:
 def reduce_state_specs(tree: Any, axis_name: str) -> Any:
     """``PartitionSpec`` s for ``jax.shard_map``'s ``in_specs``/``out_specs`` of
     a state holding :class:`ReduceGradientsState` s: ``P(axis_name)`` for their
-    residuals (one row per device), ``P()`` for every other leaf.
+    residuals (one row per device), ``P()`` for every other leaf (a warm-up's
+    count among them).
 
     Args:
       tree: an optimizer state (or a train state holding one).
@@ -535,7 +625,9 @@ def reduce_state_specs(tree: Any, axis_name: str) -> Any:
 
     def spec(node):
         if isinstance(node, ReduceGradientsState):
-            return jax.tree.map(lambda _: PartitionSpec(axis_name), node)
+            rows = jax.tree.map(lambda _: PartitionSpec(axis_name), node[:2])
+            count = jax.tree.map(lambda _: PartitionSpec(), node.warmup_count)
+            return ReduceGradientsState(*rows, count)
         return PartitionSpec()
 
     return jax.tree.map(

@@ -116,10 +116,16 @@ class Extension:
       derivative's rules, whose backward would not see it);
     - ``opaque()``: a scope for a sub-computation whose schema has no place for
       values the extension threads (``shard_map``, the schema-free rewrite);
-    - ``loop(length)``: a :class:`Loop` for one ``scan``.
+    - ``loop(length)``: a :class:`Loop` for one ``scan``;
+    - ``fuses(chain)``: whether a written-out attention
+      (:class:`jaxscale._autocast.fusion.Chain`) may run fused, its equations
+      then unseen by the rule (default: no).
     """
 
     inline_calls = False
+
+    def fuses(self, chain: Any) -> bool:
+        return False
 
     def suspended(self) -> Any:
         return contextlib.nullcontext()
@@ -343,18 +349,21 @@ class Interpreter:
     def _attention_chains(self, jaxpr: Any) -> dict[Any, Any]:
         """The written-out attentions of ``jaxpr`` this interpreter may fuse
         (:mod:`jaxscale._autocast.fusion`): none in float32, in a region
-        another autocast owns, or for an observer of each equation."""
+        another autocast owns, or for an observer of each equation; under an
+        extension, those it lets run fused (:meth:`Extension.fuses`)."""
         if (
             not self.fuse_attention
             or self.dtype == _F32
             or self._owned
             or self.observer is not None
-            or self.extension is not None
         ):
             return {}
         if jaxpr not in self._chains_of:
             self._chains_of[jaxpr] = chains(jaxpr)
-        return self._chains_of[jaxpr]
+        found = self._chains_of[jaxpr]
+        if self.extension is not None:  # only the chains it lets pass it by
+            found = {k: c for k, c in found.items() if self.extension.fuses(c)}
+        return found
 
     def _attention(
         self, chain: Any, read: Callable[[Any], tuple[Any, Info]], constants: Any

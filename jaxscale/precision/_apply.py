@@ -138,6 +138,25 @@ class SiteRule(PluginRule):
         return _LOWER.out_infos(it, eqn, infos, outs)
 
 
+class _PlanContext(SiteContext):
+    """The sites of a plan being run: whatever is not a site, or is a 16-bit
+    site, runs as autocast runs it without a plan. A plan threads no values
+    through the function, so a ``jit`` body is re-traced, not inlined (JAX
+    sums a value's cotangents in another order across an inlined call, which
+    moves a 16-bit gradient by an ulp), and a written-out attention without a
+    site runs fused where autocast fuses it."""
+
+    inline_calls = False
+
+    def fuses(self, chain: Any) -> bool:
+        """A written-out attention runs fused, as without a plan, unless one
+        of its products is a site (a score product without batch dimensions),
+        whose format the plan chooses."""
+        return all(
+            site_sizes(e, [v.aval for v in e.invars]) is None for e in chain.eqns
+        )
+
+
 class _ShapeRule(SiteRule):
     """Finds each site's ``(m, k, n)`` (in ``shapes``), running it in 16 bits."""
 
@@ -201,6 +220,9 @@ class PlanRule(SiteRule):
         trace(counter)
         formats = self.resolve(MappingProxyType(counter.shapes))
         return PlanRule(formats, f"{self.origin} at the traced shapes")
+
+    def begin(self) -> SiteContext:
+        return _PlanContext()
 
     def format_of(self, ctx, name, mkn, eqn, vals, infos):
         fmt = dict(self.formats).get(name)
