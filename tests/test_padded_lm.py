@@ -115,6 +115,9 @@ def test_padded_lm_refuses_bad_options(capsys):
     assert "`--pad` must be in [0, 1], got 1.5." in capsys.readouterr().err
 
 
+QUICK = ("resnet_sync", "padded_lm")
+
+
 @pytest.mark.pinned  # benchmarks/autocast_memory.py: one XLA's figures
 def test_autocast_memory_quick(tmp_path, capsys):
     path = tmp_path / "memory.json"
@@ -122,10 +125,14 @@ def test_autocast_memory_quick(tmp_path, capsys):
     # float32 implicitly (flax/linen/normalization.py), and char_transformer's
     # GPT adds its [t, d] positions to [b, t, d] embeddings.
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        doc = autocast_memory.main(["--quick", "--json", str(path)])
+        # The two models test_autocast_memory_at_most_hand_cast does not
+        # compile at full size: each row's format is the same for every model.
+        doc = autocast_memory.main(
+            ["--quick", "--models", ",".join(QUICK), "--json", str(path)]
+        )
     out = capsys.readouterr().out
     assert json.loads(path.read_text()) == json.loads(json.dumps(doc))
-    assert list(doc["models"]) == list(autocast_memory.MODELS)
+    assert list(doc["models"]) == list(QUICK)
     mib = r"(\d+\.\d+)"
     rows = re.findall(
         rf"^\| (\w+) \| {mib} \| {mib} \| {mib} \| {mib} \| "
@@ -133,7 +140,7 @@ def test_autocast_memory_quick(tmp_path, capsys):
         out,
         re.M,
     )
-    assert [row[0] for row in rows] == list(autocast_memory.MODELS), out
+    assert [row[0] for row in rows] == list(QUICK), out
     for model, fp32, hand, auto, ratio, verdict, islands, islands_hand in rows:
         assert float(fp32) > 0 and float(hand) > 0 and float(auto) > 0, out
         r = doc["models"][model]
