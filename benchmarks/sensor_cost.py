@@ -88,9 +88,7 @@ def gpt_problem(size: Size) -> tuple[Any, Any, Any]:
     """``(loss, params, batch)``: ``benchmarks/gpu.py``'s decoder on random
     tokens (its tied head is a site too)."""
     net = GPT(size)
-    t = jax.random.randint(
-        jax.random.key(1), (size.batch, size.seq + 1), 0, size.vocab
-    )
+    t = jax.random.randint(jax.random.key(1), (size.batch, size.seq + 1), 0, size.vocab)
     batch = (t[:, :-1], t[:, 1:])
     params = jax.jit(net.init)(jax.random.key(0), batch[0])
 
@@ -232,8 +230,10 @@ def gpu_rows(model: str, size: str, blocks: int) -> list[str]:
         "monitor": train_step(loss, tx, mon).lower(p, s, m, b),
     }
     for name, rows in (("sensor", "default"), ("sensor, rows=None", None)):
-        sensor = jxp.Sensor(loss, BF16) if rows == "default" else jxp.Sensor(
-            loss, BF16, rows=None
+        sensor = (
+            jxp.Sensor(loss, BF16)
+            if rows == "default"
+            else jxp.Sensor(loss, BF16, rows=None)
         )
         sensor._count((p, b), {})
         probes = abstract(tuple(jxp._tap.TapStats.zeros() for _ in sensor._order))
