@@ -257,3 +257,33 @@ def test_param_values_benchmark_quick(tmp_path):
     plain = {m: islands for m, f, _, islands in rows if f == "plain"}
     for model, _, ratio, islands in rows:
         assert float(ratio) <= 1.05 and int(islands) == int(plain[model]), out
+
+
+def test_sensor_cost_benchmark_quick(tmp_path):
+    # benchmarks/sensor_cost.py --quick: the MLP's steps timed side by side, a
+    # row each, ratios to the float32 step and trace + compile times.
+    proc = run_script(
+        BENCHMARKS / "sensor_cost.py",
+        "--quick",
+        "--models",
+        "mlp",
+        "--blocks",
+        "1",
+        "--rounds",
+        "2",
+        "--steps-per-round",
+        "1",
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert out.startswith("env: jax "), out
+    rows = re.findall(
+        r"^\| mlp \(2 sites\) \| ([\w ,=]+) \| [\d.]+ \| \*\*([\d.]+)\*\* "
+        r"\([\d.]+-[\d.]+\) \| [\d.]+ \| -?[\d.]+ \| -?[\d.]+ \|$",
+        out,
+        re.M,
+    )
+    steps = ["float32", "bfloat16", "monitor", "sensor", "sensor, rows=None"]
+    assert [name for name, _ in rows] == steps, out
+    assert float(rows[0][1]) == 1.0, out

@@ -363,14 +363,14 @@ class Monitor:
     def init(self) -> MonitorState:
         """Counters at zero for the plan's sites."""
         n = len(self.plan.sites)
-        zi, zf = jnp.zeros(n, jnp.int32), jnp.zeros((n, _K), _F32)
+        # A fresh array per field: a step that donates the state donates each.
         return MonitorState(
             jnp.zeros((), jnp.int32),
-            zi,
-            zi,
-            zi,
-            zf,
-            zf,
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros((n, _K), _F32),
+            jnp.zeros((n, _K), _F32),
             jnp.zeros((n, 3), _F32),
             tuple(s.site for s in self.plan.sites),
             _formats(self.plan),

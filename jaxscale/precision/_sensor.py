@@ -48,6 +48,23 @@ def _loss_scale(value: Any) -> float:
     return float(value)
 
 
+# The rows each format is measured on by default (``Sensor(rows=)``).
+ROWS = 64
+
+
+def _rows(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            "`rows` must be an int (the rows each format is measured on) or None "
+            f"(every row: exact sums), got {type(value).__name__} {value!r}."
+        )
+    if value < 1:
+        raise ValueError(f"`rows` must be >= 1 (or None: every row), got {value!r}.")
+    return int(value)
+
+
 def _formats(formats: Any) -> tuple[Format, ...]:
     """The formats to measure, in :data:`PRECISION` order, 16 bits always
     (the budget's reference and the scores' scale)."""
@@ -110,6 +127,16 @@ class Sensor:
       formats: the formats to measure (default: all five; ``HALF`` always,
         the budget's reference). Fewer formats, fewer products to compile
         and run; a format not measured is never chosen.
+      rows: the rows (a site's examples and positions) each format is
+        measured on, spread evenly over the batch, its sums scaled up to the
+        batch's (``docs/precision.md``, "What the sensor measures"): an
+        estimate, whose cost does not grow with the batch; ``None``: every
+        row, exact sums. The reference's own sums (the noise among them) and
+        the range checks always read every row.
+
+    Raises:
+      TypeError: if ``rows`` is not an int or None.
+      ValueError: if ``rows`` is below 1.
 
     Examples:
       >>> import jaxscale as jxs
@@ -138,6 +165,7 @@ class Sensor:
         loss_scale: float = 1.0,
         rules: Any = None,
         formats: Iterable[Format] | None = None,
+        rows: int | None = ROWS,
     ):
         if not callable(fun):
             raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
@@ -149,7 +177,10 @@ class Sensor:
             )
         self.loss_scale = _loss_scale(loss_scale)
         self.formats = _formats(formats)
-        rule = SensorRule(loss_scale=self.loss_scale, formats=self.formats)
+        self.rows = _rows(rows)
+        rule = SensorRule(
+            loss_scale=self.loss_scale, formats=self.formats, rows=self.rows
+        )
         self._run = autocast(fun, self.dtype, rules=rules, plan=rule)
         self._sites: dict[str, tuple[Any, ...]] = {}
         self._order: list[str] = []

@@ -174,53 +174,121 @@ def _sq(d) -> jax.Array:
     return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
 
 
-def _noise(x, w, g, dims, dw) -> tuple[jax.Array, float]:
-    """``(noise, halves)`` of a site (see the module's docstring): its rows
-    split in two, the first ``h`` rows' weight gradient against the rest's."""
-    (lc, _), (lb, _) = dims
-    free = [a for a in range(x.ndim) if a not in lc and a not in lb]
-    rows = math.prod(x.shape[a] for a in free)
-    if rows < 2:
-        return jnp.zeros((), _F32), 0.0
-    h = rows // 2
-    index = jnp.zeros((), jnp.int32)  # the row's place in row-major order
-    for a in free:
-        index = index * x.shape[a] + lax.broadcasted_iota(jnp.int32, x.shape, a)
-    first = jnp.where(index < h, x, 0.0)
-    _, vjp = jax.vjp(lambda b: _reference(first, b, dims), w)
-    (dw1,) = vjp(g)
-    d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (rows - h))
-    return float(h * (rows - h)) * _sq(d), 1.0
+class _Rows:
+    """A site's operands as matrices of rows: ``x``'s free axes (the examples
+    and positions) first, flattened in row-major order, its contracting axes
+    after; the output and its gradient ``(rows, *w's free axes)``."""
+
+    def __init__(self, shape: tuple[int, ...], dims: Any):
+        (lc, rc), _ = dims
+        self.free = [a for a in range(len(shape)) if a not in lc]
+        self.perm = [*self.free, *lc]
+        self.rows = math.prod(shape[a] for a in self.free)
+        self.inner = [shape[a] for a in lc]
+        self.outer = [shape[a] for a in self.free]
+        n = len(lc)
+        self.dims = ((tuple(range(1, n + 1)), tuple(rc)), ((), ()))
+
+    def x(self, x):
+        return jnp.transpose(x, self.perm).reshape(self.rows, *self.inner)
+
+    def back(self, dx):
+        """``dx`` of the matrix back in ``x``'s layout."""
+        dx = dx.reshape(*self.outer, *self.inner)
+        return jnp.transpose(dx, np.argsort(self.perm))
+
+    def out(self, y):
+        return y.reshape(self.rows, *y.shape[len(self.outer) :])
 
 
-def _format_stats(fmt, make, x, w, y, g, dx, dw, dtype, loss_scale):
-    yf, vjp = jax.vjp(make, x, w)
-    out = yf.astype(_F32)
+def _subset(rows: int, sample: int | None) -> np.ndarray | None:
+    """The rows the formats are measured on: ``sample`` spread evenly over
+    ``rows`` (``None``: every row)."""
+    if sample is None or sample >= rows:
+        return None
+    return (np.arange(sample) * rows) // sample
+
+
+def _colmax(t):
+    """``t``'s largest magnitude per column over its rows (NaN where a column
+    holds one): a row that gives a float8 scale the whole tensor's."""
+    return jnp.max(jnp.abs(t), axis=0, keepdims=True)
+
+
+def _beyond_scaled(t, scale: float, dtype: np.dtype) -> jax.Array:
+    return _beyond(t * scale, dtype) if dtype != _F32 else jnp.zeros((), _F32)
+
+
+def _weight_grad(x, w, g, dims):
+    """The reference weight gradient ``x^T g`` (``w``'s shape)."""
+    _, vjp = jax.vjp(lambda b: _reference(x, b, dims), w)
+    return vjp(g)[0]
+
+
+def _full_counts(x, w, y, g, dx, dtype, loss_scale) -> dict:
+    """Per dtype a format's output, gradient or products may take (``dtype``,
+    float32), the counts read on every row from the reference: outputs beyond
+    it, the scaled gradient overflowing or flushing in it, input gradients
+    beyond it once scaled; and operands beyond ``dtype`` (``range``)."""
+    out = {}
+    for d in (dtype, _F32):
+        gf = (g * loss_scale).astype(d)
+        out[d] = dict(
+            overflow=_beyond(y, d) if d != _F32 else jnp.zeros((), _F32),
+            grad=_count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g)),
+            dx=_beyond_scaled(dx, loss_scale, d),
+            flush=_count((gf == 0) & (g != 0)) if d != _F32 else 0.0,
+        )
+    out["range"] = _beyond(x, dtype) + _beyond(w, dtype)
+    return out
+
+
+def _format_stats(fmt, make, x, w, y, g, dx, dw, dims, loss_scale, sub, full):
+    """``fmt``'s fields at a site of matrix rows ``x`` (:class:`_Rows`, its
+    dimension numbers ``dims``). ``sub``: the rows measured (``None``: all),
+    each field's sum over them scaled by ``rows / len(sub)``; ``full``: the
+    counts read on every row (:func:`_full_counts`), a floor under the scaled
+    ones: a range failure of the reference is never missed."""
+    rows, scale = x.shape[0], 1.0
+    xs, ws, gs, ys, dxs = x, w, g, y, dx
+    if sub is not None:
+        scale = rows / len(sub)
+        xs, gs, ys, dxs = x[sub], g[sub], y[sub], dx[sub]
+        if fmt in FLOAT8_RECIPES:  # a last row: the whole tensor's scales
+            xs = jnp.concatenate([xs, _colmax(x)])
+            gs = jnp.concatenate([gs, _colmax(g)])
+    yf, vjp = jax.vjp(make, xs, ws)
+    dxf, _ = vjp((gs * loss_scale).astype(yf.dtype))
+    if sub is None:
+        dwf = _
+    else:  # the weight gradient sums over the rows: on every row
+        _, vjp_w = jax.vjp(lambda b: make(x, b), w)
+        (dwf,) = vjp_w((g * loss_scale).astype(yf.dtype))
+    out_dtype, dx_dtype = np.dtype(yf.dtype), np.dtype(dxf.dtype)
+    n = len(sub) if sub is not None else rows
+    out, dxf = yf[:n].astype(_F32), dxf[:n].astype(_F32) / loss_scale
+    dwf = dwf.astype(_F32) / loss_scale
     finite = jnp.isfinite(out)
-    dy = jnp.where(finite, out - y, 0.0)
-    gdy = g * dy
+    dy = jnp.where(finite, out - ys, 0.0)
+    gdy = gs[:n] * dy
+    counts = full[out_dtype]
     narrow = fmt is not Format.FLOAT32
-    scaled = g * loss_scale
-    gf = scaled.astype(yf.dtype)
-    dxf, dwf = (t.astype(_F32) / loss_scale for t in vjp(gf))
-    flushed = (gf == 0) & (g != 0) if yf.dtype != _F32 else jnp.zeros((), bool)
-    in_range = (
-        _beyond(x, dtype) + _beyond(w, dtype)
-        if fmt in (Format.HALF, Format.HALF_WIDE)
-        else jnp.zeros((), _F32)
-    )
-    grad_overflow = _count(~jnp.isfinite(dxf)) + _count(~jnp.isfinite(dwf))
-    if narrow:
-        grad_overflow += _count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g))
+    overflow = _count(~finite & jnp.isfinite(ys))
+    dx_bad = _count(~jnp.isfinite(dxf))
+    dw_err, dw_bad = _sq(dwf - dw), _count(~jnp.isfinite(dwf))
     return dict(
-        linear=jnp.sum(gdy),
-        fisher=jnp.sum(gdy**2),
-        dx=_sq(dxf - dx),
-        dw=_sq(dwf - dw),
-        overflow=_count(~finite & jnp.isfinite(y)),
-        range=in_range,
-        grad_overflow=grad_overflow,
-        flush=_count(flushed),
+        linear=scale * jnp.sum(gdy),
+        fisher=scale * jnp.sum(gdy**2),
+        dx=scale * _sq(dxf - dxs),
+        dw=dw_err,
+        overflow=jnp.maximum(scale * overflow, counts["overflow"]),
+        range=full["range"] if fmt in (Format.HALF, Format.HALF_WIDE) else 0.0,
+        grad_overflow=(
+            (counts["grad"] if narrow else 0.0)
+            + jnp.maximum(scale * dx_bad, full[dx_dtype]["dx"])
+            + dw_bad
+        ),
+        flush=counts["flush"],
     )
 
 
@@ -231,24 +299,12 @@ def _tap(
     loss_scale: float,
     widens: bool,
     formats: tuple[Format, ...],
+    sample: int | None,
 ):
     """The site's reference product, whose backward measures ``formats`` (the
-    others' fields are zeros). ``widens``: autocast's 16-bit product returns
-    float32 there, to take a scale in float32 before it is rounded (the float16
-    scale rule)."""
-    makes = [
-        (
-            f,
-            _product(
-                Format.HALF_WIDE if widens and f is Format.HALF else f,
-                params,
-                dims,
-                dtype,
-            ),
-        )
-        for f in PRECISION
-        if f in formats
-    ]
+    others' fields are zeros) on ``sample`` of its rows (``None``: all).
+    ``widens``: autocast's 16-bit product returns float32 there, to take a
+    scale in float32 before it is rounded (the float16 scale rule)."""
 
     @jax.custom_vjp
     def tap(x, w, probe):
@@ -260,27 +316,45 @@ def _tap(
 
     def bwd(res, g):
         x, w, y = res
-        x32, w32, g = x.astype(_F32), w.astype(_F32), g.astype(_F32)
-        _, vjp = jax.vjp(lambda a, b: _reference(a, b, dims), x32, w32)
-        dx, dw = vjp(g)
-        made, none = dict(makes), dict.fromkeys(FIELDS, 0.0)
-        per = [
-            _format_stats(f, made[f], x32, w32, y, g, dx, dw, dtype, loss_scale)
-            if f in made
-            else none
-            for f in PRECISION
-        ]
+        lay = _Rows(x.shape, dims)
+        x2, w32 = lay.x(x.astype(_F32)), w.astype(_F32)
+        g2, y2 = lay.out(g.astype(_F32)), lay.out(y)
+        _, vjp = jax.vjp(lambda a: _reference(a, w32, lay.dims), x2)
+        (dx2,) = vjp(g2)
+        rows = lay.rows
+        dw = _weight_grad(x2, w32, g2, lay.dims)
+        noise = [jnp.zeros((), _F32), 0.0]
+        if rows >= 2:  # the first half's weight gradient: the noise (module doc)
+            h = rows // 2
+            dw1 = _weight_grad(x2[:h], w32, g2[:h], lay.dims)
+            d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (rows - h))
+            noise = [float(h * (rows - h)) * _sq(d), 1.0]
+        sub = _subset(rows, sample)
+        full = _full_counts(x2, w32, y2, g2, dx2, dtype, loss_scale)
+        matrix = {**params, "dimension_numbers": lay.dims}
+        per = []
+        for f in PRECISION:
+            if f not in formats:
+                per.append(dict.fromkeys(FIELDS, 0.0))
+                continue
+            made = Format.HALF_WIDE if widens and f is Format.HALF else f
+            make = _product(made, matrix, lay.dims, dtype)
+            per.append(
+                _format_stats(
+                    f, make, x2, w32, y2, g2, dx2, dw, lay.dims, loss_scale, sub, full
+                )
+            )
         top = float(jnp.finfo(dtype).max)
-        ref = [_sq(dx), _sq(dw), y.size, _count(g != 0), x.size + w.size]
-        ref.append(_count(jnp.abs(g) > top))
-        ref.extend(_noise(x32, w32, g, dims, dw))
+        ref = [_sq(dx2), _sq(dw), y.size, _count(g2 != 0), x.size + w.size]
+        ref.append(_count(jnp.abs(g2) > top))
+        ref.extend(noise)
         # Stacked, then named: under ``vmap`` the sizes are batched like the
         # sums and added over the examples as they are.
         probe = TapStats(
             *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
             *jnp.stack([jnp.asarray(r, _F32) for r in ref]),
         )
-        return dx.astype(x.dtype), dw.astype(w.dtype), probe
+        return lay.back(dx2).astype(x.dtype), dw.astype(w.dtype), probe
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -294,6 +368,7 @@ class SensorRule(SiteRule):
 
     loss_scale: float = 1.0
     formats: tuple[Format, ...] = PRECISION
+    rows: int | None = None
 
     def begin(self) -> SiteContext:
         session = SESSION.current()
@@ -331,5 +406,7 @@ class SensorRule(SiteRule):
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
         widens = scaled_in_float32(it, eqn)
-        tap = _tap(params, dims, it.dtype, self.loss_scale, widens, self.formats)
+        tap = _tap(
+            params, dims, it.dtype, self.loss_scale, widens, self.formats, self.rows
+        )
         return [tap(x, w, probe)]
