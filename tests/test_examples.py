@@ -208,8 +208,9 @@ def _why_scaling_tables(why, doc: dict) -> tuple[list[str], list[str]]:
 def test_why_scaling_docs_show_the_committed_runs():
     """docs/_static/why_scaling.json is a run at the script's defaults and
     why_scaling_32x256.json one at 32 x 256 tokens for 300 steps (four runs,
-    three seeds each); the docs/measurements.md tables, and the README's table
-    of the 32 x 256 run, are made from them."""
+    three seeds each); the docs/measurements.md tables (the per-site one of the
+    32 x 256 run only), and the README's table of the 32 x 256 run, are made
+    from them."""
     why = _why_scaling_module()
     root = EXAMPLES.parent
     static = root / "docs" / "_static"
@@ -231,8 +232,9 @@ def test_why_scaling_docs_show_the_committed_runs():
         runs, sites = _why_scaling_tables(why, doc)
         for line in runs:
             assert all(line in page for page in pages[name]), (name, line)
-        for line in sites:
-            assert line in measurements, (name, line)
+        if name == "why_scaling_32x256":  # the per-site table of the larger run
+            for line in sites:
+                assert line in measurements, (name, line)
 
 
 def _split_by_run(doc: dict, tmp_path: Path) -> list[str]:
