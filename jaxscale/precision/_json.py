@@ -4,12 +4,19 @@ scores are written (``inf`` as ``"inf"``)."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-from jaxscale.precision._measure import score
+from jaxscale._cost import DeviceCost
+from jaxscale._speed import Format
+from jaxscale.precision._measure import PRECISION, SiteMeasure, score
+
+JSON_KIND, JSON_VERSION = "jaxscale.precision.Plan", 3
 
 __all__ = [
+    "JSON_KIND",
+    "JSON_VERSION",
     "PLAN_FIELDS",
     "SITE_FIELDS",
     "V2_FIELDS",
@@ -17,6 +24,8 @@ __all__ = [
     "duration",
     "fields",
     "out",
+    "plan_doc",
+    "plan_fields",
     "read_score",
     "real",
     "string",
@@ -93,3 +102,125 @@ SITE_FIELDS = frozenset(
         "pinned",
     }
 )
+
+
+def plan_doc(plan: Any) -> dict[str, Any]:
+    """The JSON document of ``plan`` (:meth:`~jaxscale.precision.Plan.to_json`)."""
+    sites = []
+    for s, m in zip(plan.sites, plan.measures, strict=True):
+        sites.append(
+            {
+                "site": s.site,
+                "shape": list(s.shape),
+                "operand_bytes": list(m.operand_bytes),
+                "errors": {f.value: out(e) for f, e in m.errors.items()},
+                "noise": None
+                if m.noise is None
+                else {f.value: out(e) for f, e in m.noise.items()},
+                "notes": {f.value: n for f, n in m.notes.items()},
+                "runs": m.runs,
+                "format": s.format.value,
+                "seconds": s.seconds,
+                "half_seconds": s.half_seconds,
+                "why": s.why,
+                "pinned": s.site in plan.pinned,
+            }
+        )
+    doc = {
+        "kind": JSON_KIND,
+        "version": JSON_VERSION,
+        "device": plan.device,
+        "cost": plan.cost._asdict(),
+        "budget": out(plan.budget),
+        "budget_in": plan.budget_in,
+        "dtype": None if plan.dtype is None else plan.dtype.name,
+        "loss_scale": plan.loss_scale,
+        "allowed": [f.value for f in plan.allowed],
+        "traced": plan.traced,
+        "sites": sites,
+    }
+    return doc
+
+
+def plan_fields(text: str) -> tuple[Any, ...]:
+    """The :class:`~jaxscale.precision.Plan` fields, in order, of the JSON text
+    :meth:`~jaxscale.precision.Plan.to_json` wrote (versions 1 to 3).
+
+    Raises:
+      ValueError: if ``text`` is not JSON, is not a plan, has a version this
+        jaxscale does not read, or lacks or adds a field.
+    """
+    try:
+        doc = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"`text` must be a plan's JSON text: {err}.") from None
+    if not isinstance(doc, dict) or doc.get("kind") != JSON_KIND:
+        kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(
+            f"`text` must be the JSON of a {JSON_KIND} (`Plan.to_json`), got "
+            f"kind {kind!r}."
+        )
+    if doc.get("version") not in (1, 2, JSON_VERSION):
+        raise ValueError(
+            "`text`: this jaxscale reads plans of versions 1, 2 and "
+            f"{JSON_VERSION}, got version {doc.get('version')!r}: load it "
+            "with the jaxscale that wrote it, or solve the plan again."
+        )
+    try:
+        # Version 1 has no dtype or loss scale: both unknown (None);
+        # versions 1 and 2 no noise figures: a budget of error scores.
+        v1, old = doc["version"] == 1, doc["version"] < 3
+        expected = PLAN_FIELDS - V3_FIELDS if old else PLAN_FIELDS
+        fields("the plan", doc, expected - V2_FIELDS if v1 else expected)
+        fields("`cost`", doc["cost"], set(DeviceCost._fields))
+        name, *figures = (doc["cost"][f] for f in DeviceCost._fields)
+        cost = DeviceCost(string("`cost.name`", name), *map(real, figures))
+        if not isinstance(doc["sites"], list):
+            raise ValueError(f"`sites` must be a list, got {doc['sites']!r}.")
+        sites, measures, pinned = [], [], []
+        for entry in doc["sites"]:
+            site_fields = SITE_FIELDS - {"noise"} if old else SITE_FIELDS
+            site_fields = site_fields - {"pinned"} if v1 else site_fields
+            fields("a site", entry, site_fields, optional={"runs"})
+            if v1 or entry["pinned"] is True:  # version 1: runs as saved
+                pinned.append(entry["site"])
+            errors = {Format(f): read_score(e) for f, e in entry["errors"].items()}
+            notes = {Format(f): n for f, n in entry["notes"].items()}
+            noise = entry.get("noise")
+            if noise is not None:
+                noise = {Format(f): read_score(e) for f, e in noise.items()}
+            m = SiteMeasure(
+                entry["site"],
+                tuple(entry["shape"]),
+                tuple(entry["operand_bytes"]),
+                errors,
+                notes,
+                entry.get("runs", 1),
+                noise,
+            )
+            fmt = Format(entry["format"])
+            # The times are written for readers; the plan derives them.
+            real(entry["seconds"]), real(entry["half_seconds"])
+            sites.append((fmt, string("`why`", entry["why"])))
+            measures.append(m)
+        device = string("`device`", doc["device"])
+        dtype, scale = doc.get("dtype"), doc.get("loss_scale")
+        if dtype is not None:
+            dtype = string("`dtype`", dtype)
+        scale = None if scale is None else real(scale)
+        allowed = tuple(map(Format, doc.get("allowed", [f.value for f in PRECISION])))
+        return (
+            tuple(measures),
+            tuple(sites),
+            read_score(doc["budget"]),
+            device,
+            cost,
+            dtype,
+            scale,
+            allowed,
+            frozenset(pinned),
+            doc.get("traced", False) is True,
+            string("`budget_in`", doc.get("budget_in", "error")),
+        )
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"`text` is not a valid plan: {err}") from None
