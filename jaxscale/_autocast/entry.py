@@ -38,7 +38,8 @@ from jaxscale._autocast.values import (
     is_castable,
 )
 from jaxscale._jax_private import convert_weak
-from jaxscale._nnx import is_object, named_modules
+from jaxscale._nnx import is_object
+from jaxscale._nnx_names import named_modules
 from jaxscale._policy import parse_float_dtype
 
 __all__ = [
@@ -479,7 +480,7 @@ def interpret(
     :class:`~jaxscale._autocast.interp.Interpreter`, or an observing subclass for
     the report); NNX modules among the arguments get their new state back, and
     NNX modules called run under their module paths as name scopes
-    (:func:`jaxscale._nnx.named_modules`: the sites' names).
+    (:func:`jaxscale._nnx_names.named_modules`: the sites' names).
     ``wide(path)`` says whether the input at ``path`` (``"[0]['w']"``) has its
     gradient leave matmuls in float32 (every input if ``None``)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
