@@ -102,9 +102,9 @@ TORCHAO_K, TORCHAO_N = 4096, 1024
 
 
 def site_labels(sites: list[str], layers: int) -> dict[str, str]:
-    """Readable names of the sensor's sites: NNX does not name its modules'
-    scopes, so the sensor names them by order; in the model's order they are
-    each block's qkv, proj, fc and out projections, then the head."""
+    """Short labels of the sensor's sites (their module paths): in the
+    model's order, each block's qkv, proj, fc and out projections, then the
+    head."""
     names = [f"b{i}.{p}" for i in range(layers) for p in ("qkv", "proj", "fc", "out")]
     names.append("head")
     if len(names) != len(sites):  # not this model's layout: keep the sensor's

@@ -39,6 +39,7 @@ from jaxscale._autocast.values import (
 )
 from jaxscale._jax_private import convert_weak
 from jaxscale._nnx import is_object
+from jaxscale._nnx_names import named_modules
 from jaxscale._policy import parse_float_dtype
 
 __all__ = [
@@ -477,7 +478,9 @@ def interpret(
 ) -> Any:
     """``fun(*args, **kwargs)`` traced once and evaluated by ``it`` (an
     :class:`~jaxscale._autocast.interp.Interpreter`, or an observing subclass for
-    the report); NNX modules among the arguments get their new state back.
+    the report); NNX modules among the arguments get their new state back, and
+    NNX modules called run under their module paths as name scopes
+    (:func:`jaxscale._nnx_names.named_modules`: the sites' names).
     ``wide(path)`` says whether the input at ``path`` (``"[0]['w']"``) has its
     gradient leave matmuls in float32 (every input if ``None``)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
@@ -492,6 +495,7 @@ def interpret(
         for i, x in zip(dynamic, dyn, strict=True):
             full[i] = x
         a, kw = jax.tree.unflatten(treedef, full)
+        name_modules((a, kw))
         out_leaves, shapes["out"] = jax.tree.flatten(fun(*a, **kw))
         shapes["states"] = []
         for where, key in modules:  # their state after `fun` (it may mutate them)
@@ -505,7 +509,10 @@ def interpret(
     flat.__name__ = getattr(fun, "__name__", "fun")
     dyn = [leaves[i] for i in dynamic]
     fuse = getattr(it, "fuse_attention", False)
-    with attention.intercepting() if fuse else contextlib.nullcontext():
+    with (
+        attention.intercepting() if fuse else contextlib.nullcontext(),
+        named_modules() as name_modules,
+    ):
         closed = jax.make_jaxpr(flat)(*dyn)
     with jax.named_scope(f"{REGION_PREFIX}_{it.dtype.name}"):
         infos = [

@@ -5,8 +5,9 @@ monitor).
 A *site* is a ``dot_general`` without batch dimensions whose two operands are
 floating, met while an autocast region is evaluated (outside custom-derivative
 rules and ``shard_map`` bodies, where a plan does not reach). Sites are named
-by their name stack (Flax module paths, ``jax.named_scope``; ``(top level)``
-where there is none); the second site of the same name stack is ``name#1``,
+by their name stack (Flax linen module paths, NNX's as
+:func:`jaxscale._nnx_names.named_modules` pushes them, ``jax.named_scope``; ``(top
+level)`` where there is none); the second site of the same name stack is ``name#1``,
 the third ``name#2``, and so on, in the order the function meets them. A site
 in a ``scan`` body is one site, whatever the length (a scanned stack of layers
 shares one format). Calls (``jit``) are entered in place, so a layer called
