@@ -214,6 +214,7 @@ def _name(path):
 OUTSIDE = {
     "diagnostics._cotangents",
     "_nnx",
+    "_nnx_names",  # NNX module paths as name scopes while autocast traces
     "_policy",
 }
 FLOORS = [
