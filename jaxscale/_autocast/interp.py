@@ -362,9 +362,7 @@ class Interpreter:
             self._chains_of[jaxpr] = chains(jaxpr)
         found = self._chains_of[jaxpr]
         if self.extension is not None:  # only the chains it lets pass it by
-            # (float8's context is no Extension subclass: it fuses none)
-            fuses = getattr(self.extension, "fuses", None)
-            found = {k: c for k, c in found.items() if fuses and fuses(c)}
+            found = {k: c for k, c in found.items() if self.extension.fuses(c)}
         return found
 
     def _attention(

@@ -158,6 +158,11 @@ class Context:
         off there (current scaling works anywhere)."""
         return self.suspended() if self.delayed else contextlib.nullcontext()
 
+    def fuses(self, chain: Any) -> bool:
+        """A written-out attention stays unfused: its products are float8's
+        to see (as before extensions could let a chain fuse)."""
+        return False
+
     def loop(self, length: int) -> _Loop:
         """A ``scan`` of ``length`` iterations: the state of the sites met from
         here on enters once per iteration (its transpose, the new history, is a
