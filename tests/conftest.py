@@ -29,6 +29,56 @@ from _pytest.doctest import DoctestItem
 from _pytest.mark.expression import Expression
 from helpers import relaxed
 
+# ``JAXSCALE_TEST_COMPILE=fast`` (the README's second pass, .ci/floors and
+# .ci/ceiling): XLA:CPU compiles with less optimisation, for the tests that assert
+# no compiler figure (the `pinned` and `isa` tests run at the default). Added to
+# XLA_FLAGS before any backend starts, each flag only where this jaxlib knows it
+# (an unknown flag aborts XLA): LLVM's optimisation off, its expensive passes off,
+# and the fusion emitters off (jaxlib <= 0.10; XLA:CPU then emits each fusion as
+# its elemental emitter does, about half the compile time of a whole test file).
+# Each is a code-generation choice: the programs compute the same operations, and
+# a comparison within one run compares programs compiled alike.
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+)
+
+
+def _known_xla_flags(flags: tuple[str, ...]) -> list[str]:
+    """Those of ``flags`` that this jaxlib's XLA parses, tried in a child process
+    (all at once, then one at a time if that fails; once per run: pytest-xdist's
+    workers inherit the result)."""
+    import subprocess
+    import sys
+
+    def parses(tried: tuple[str, ...]) -> bool:
+        probe = "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+        env = {**os.environ, "XLA_FLAGS": " ".join(tried), "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, check=False
+        )
+        return done.returncode == 0
+
+    if parses(flags):
+        return list(flags)
+    return [flag for flag in flags if parses((flag,))]
+
+
+def _fast_compile() -> None:
+    mode = os.environ.get("JAXSCALE_TEST_COMPILE", "")
+    if mode not in ("", "fast"):
+        raise ValueError(
+            f"JAXSCALE_TEST_COMPILE must be 'fast' or unset, got {mode!r}."
+        )
+    if mode != "fast" or os.environ.get("JAXSCALE_TEST_COMPILE_FLAGS") is not None:
+        return  # not asked, or a pytest-xdist worker: the parent set XLA_FLAGS
+    flags = _known_xla_flags(FAST_COMPILE)
+    os.environ["JAXSCALE_TEST_COMPILE_FLAGS"] = " ".join(flags)
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags])
+
+
+_fast_compile()
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -38,6 +88,13 @@ TIERS = ("unit", "core", "integration")
 # more markers), which pytest_ignore_collect reads without importing the file.
 _FILE_TIER = re.compile(r"^pytestmark = \[?pytest\.mark\.(\w+)[,\]]?", re.M)
 _MARK = re.compile(r"pytest\.mark\.(\w+)")
+
+
+def pytest_report_header(config):
+    flags = os.environ.get("JAXSCALE_TEST_COMPILE_FLAGS")
+    if flags is not None:
+        return f"JAXSCALE_TEST_COMPILE=fast: XLA_FLAGS += {flags or '(none known)'}"
+    return None
 
 
 def pytest_addoption(parser):

@@ -236,9 +236,9 @@ def test_the_test_command_also_runs_the_avx2_pass_the_floors_and_the_ceiling():
     assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2" in tests
     # Two passes that together run every test: the compiler's figures and the
     # numerically sensitive tests as XLA:CPU compiles by default, the rest
-    # without LLVM's optimisation (the same HLO; less compile time).
-    o0 = "XLA_FLAGS=--xla_backend_optimization_level=0"
-    assert f'-m "pinned or isa" && {o0} ' in tests
+    # compiled with less optimisation (tests/conftest.py: less compile time).
+    fast = "JAXSCALE_TEST_COMPILE=fast"
+    assert f'-m "pinned or isa" && {fast} ' in tests
     assert '-m "not pinned and not isa" && ' in tests
     assert tests.rstrip().endswith("&& .ci/floors && .ci/ceiling && .ci/gpu-budget")
     floors = (ROOT / ".ci" / "floors").read_text()

@@ -3,6 +3,7 @@
 suite), ``-m`` skips files of other tiers without importing them, and CI selects
 by marker, not by file list."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,9 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
 
-def _pytest(where: Path, *args: str) -> subprocess.CompletedProcess:
+def _pytest(
+    where: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """pytest in a scratch suite under ``where`` with this suite's conftest.py,
-    helpers.py and pytest settings."""
+    helpers.py and pytest settings (``env``: added to the environment)."""
     for name in ("conftest.py", "helpers.py"):
         shutil.copy(TESTS / name, where / name)
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
@@ -30,6 +33,7 @@ def _pytest(where: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
         cwd=where,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -145,3 +149,27 @@ def test_shared_helpers_come_from_helpers_not_conftest():
             imported = {n.strip() for n in names.split(",")}
             if path.name != "test_tiers.py":
                 assert imported <= shims, f"{path.name}: from helpers import {names}"
+
+
+def test_fast_compile_mode_reaches_every_worker_and_refuses_other_values(tmp_path):
+    """``JAXSCALE_TEST_COMPILE=fast`` (the README's second pass, the floors and
+    the ceiling) adds to XLA_FLAGS only flags this jaxlib parses, in the parent
+    and in each pytest-xdist worker; another value stops the run, naming it."""
+    (tmp_path / "test_flags.py").write_text(
+        "import os\n\nimport jax.numpy as jnp\nimport pytest\n\n"
+        "pytestmark = pytest.mark.unit\n\n\n"
+        "@pytest.mark.parametrize('k', range(2))\n"
+        "def test_flags(k):\n"
+        "    assert '--xla_backend_optimization_level=0' in os.environ['XLA_FLAGS']\n"
+        "    assert float(jnp.ones(2).sum()) == 2.0  # XLA took every flag\n"
+    )
+    env_run = _pytest(tmp_path, "-n", "2", env={"JAXSCALE_TEST_COMPILE": "fast"})
+    out = env_run.stdout + env_run.stderr
+    assert env_run.returncode == 0, out
+    assert "JAXSCALE_TEST_COMPILE=fast: XLA_FLAGS += " in out, out
+    assert "2 passed" in out, out
+    bad = _pytest(tmp_path, "-q", env={"JAXSCALE_TEST_COMPILE": "fastest"})
+    assert bad.returncode != 0
+    assert "JAXSCALE_TEST_COMPILE must be 'fast' or unset, got 'fastest'" in (
+        bad.stdout + bad.stderr
+    )
