@@ -29,7 +29,9 @@ D = H * DH
 
 def _params(key):
     ks = jax.random.split(key, 4)
-    return {n: jax.random.normal(k, (D, D)) / 4 for n, k in zip("qkvo", ks, strict=True)}
+    return {
+        n: jax.random.normal(k, (D, D)) / 4 for n, k in zip("qkvo", ks, strict=True)
+    }
 
 
 def _heads(x):
@@ -95,8 +97,11 @@ def plans():
 
 
 def _batched(plan):
-    return {m.site: s.format for m, s in zip(plan.measures, plan.sites, strict=True)
-            if m.kind == "batched"}
+    return {
+        m.site: s.format
+        for m, s in zip(plan.measures, plan.sites, strict=True)
+        if m.kind == "batched"
+    }
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -134,15 +139,16 @@ def test_an_overflowing_model_keeps_float32_scores_and_stays_finite(plans, model
     # The healthy plan's 16-bit scores, on the same blown-up model, overflow.
     value16, grads16 = run(healthy)
     assert not (
-        np.isfinite(value16) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads16))
+        np.isfinite(value16)
+        and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads16))
     )
 
 
 def test_the_float32_score_runs_as_a_float32_product():
-    _, blown = _plan("written", jnp.float16, BLOW), None
+    blown = _plan("written", jnp.float16, BLOW)
     loss = functools.partial(written, blow=BLOW)
     p, x = _args("written")
-    jaxpr = str(jax.make_jaxpr(jxs.autocast(loss, jnp.float16, plan=_))(p, x))
+    jaxpr = str(jax.make_jaxpr(jxs.autocast(loss, jnp.float16, plan=blown))(p, x))
     assert "preferred_element_type=float32" in jaxpr
 
 
@@ -175,9 +181,7 @@ def test_a_version_3_plan_runs_an_attention_model(plans):
     )
     # from_formats naming only the dense sites runs too.
     dense = [m for m in healthy.measures if m.kind == "dense"]
-    by_hand = jxp.Plan.from_formats(
-        {m.site: F.HALF for m in dense}, dense, cost="H100"
-    )
+    by_hand = jxp.Plan.from_formats({m.site: F.HALF for m in dense}, dense, cost="H100")
     jax.make_jaxpr(jxs.autocast(written, jnp.float16, plan=by_hand))(p, x)
 
 
@@ -205,4 +209,6 @@ def test_the_monitor_raises_a_score_site_near_the_limit(plans):
     state = mon.update(mon.init(), seen)
     _, _, changes = mon.replan(state)
     score = next(m.site for m in healthy.measures if m.kind == "batched")
-    assert any(c.startswith(f"{score}: 16-bit -> 16-bit, float32 result") for c in changes)
+    assert any(
+        c.startswith(f"{score}: 16-bit -> 16-bit, float32 result") for c in changes
+    )

@@ -132,7 +132,8 @@ def test_a_float8_conv_is_refused_naming_the_site(cnn_plan):
         kinds=rule.kinds,
     )
     with pytest.raises(
-        ValueError, match=r"site '_CNN/conv2' is a conv site .* runs in Format.FLOAT32, "
+        ValueError,
+        match=r"site '_CNN/conv2' is a conv site .* runs in Format.FLOAT32, "
         r"Format.HALF; the plan gives it Format.FLOAT8",
     ):
         jax.make_jaxpr(jxs.autocast(cnn_loss, jnp.float16, plan=bad))(
@@ -150,5 +151,7 @@ def test_equinox_conv_is_a_measured_site():
     assert conv.kind == "conv" and conv.site == "vmap(eqx.nn.Conv)"
     assert conv.errors[F.HALF] > 0 and conv.errors[F.FLOAT32] < conv.errors[F.HALF]
     wide = plan.replace(conv.site, F.FLOAT32)
-    dtypes = _conv_dtypes(jxs.autocast(eqx_loss, jnp.float16, plan=wide), _EQX_PARAMS, _XC)
+    dtypes = _conv_dtypes(
+        jxs.autocast(eqx_loss, jnp.float16, plan=wide), _EQX_PARAMS, _XC
+    )
     assert dtypes[0] == ("float32", "float32")

@@ -56,6 +56,8 @@ KINDS = {
 def kind_formats(kind: str) -> str:
     """The formats a site of ``kind`` runs in, for messages."""
     return ", ".join(f"Format.{f.name}" for f in KINDS[kind])
+
+
 _BYTES = (1, 2, 4, 8)
 
 

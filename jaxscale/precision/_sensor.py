@@ -315,7 +315,9 @@ class Sensor:
 
     def _formats_at(self, name: str) -> tuple[Format, ...]:
         """The formats measured at site ``name``: those its kind runs in."""
-        return tuple(f for f in self.formats if f in KINDS[self._kinds.get(name, "dense")])
+        return tuple(
+            f for f in self.formats if f in KINDS[self._kinds.get(name, "dense")]
+        )
 
     def noise_problem(self) -> str | None:
         """Why the batches measured give no noise figures (``None``: they do).
