@@ -44,7 +44,7 @@ def test_the_precision_gpu_benchmark_runs_tiny():
     ]
     assert cells[1][1:3] == ["1.000", "1.000 (1.000-1.000)"]
     assert float(cells[4][1]) > 1  # float8 everywhere: predicted slower here
-    assert "precision plan: 5 sites" in done.stdout
+    assert "precision plan: 7 sites" in done.stdout
 
 
 def test_the_replan_benchmark_raises_sites_and_skips_nothing(tmp_path):

@@ -227,7 +227,7 @@ def half_plan(loss, dtype, *args):
     shapes = _ShapeRule()
     jax.eval_shape(jxs.autocast(loss, dtype, plan=shapes), *args)
     measures = [
-        jxp.SiteMeasure(site, mkn, (4, 4), {F.HALF: 0.0})
+        jxp.SiteMeasure(site, mkn, (4, 4), {F.HALF: 0.0}, kind=shapes.kinds_met[site])
         for site, mkn in shapes.shapes.items()
     ]
     assert len(measures) >= 5  # four per block, the tied output embedding
@@ -273,9 +273,9 @@ def test_an_all_16_bit_plan_is_the_plain_autocast_program(model, scale):
 
 def test_a_plan_runs_a_written_out_attention_fused_as_autocast_does(monkeypatch):
     """Autocast runs a written-out attention as cuDNN's fused kernel where it
-    is lowered for CUDA (``attention.run_chain``); a plan whose sites are not
-    in the attention (batched score products are never sites) lets it, as
-    autocast without a plan does (the plan ran it equation by equation)."""
+    is lowered for CUDA (``attention.run_chain``); a plan whose sites in the
+    attention (its batched score and value products) are 16-bit lets it, as
+    autocast without a plan does."""
     calls = []
     run_chain = attention.run_chain
 

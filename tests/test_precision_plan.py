@@ -473,7 +473,7 @@ def test_json_round_trips_exactly():
         assert back == p and hash(back) == hash(p)
         assert back.to_json() == text and str(back) == str(p)
     doc = json.loads(plan.to_json())
-    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 3
+    assert doc["kind"] == "jaxscale.precision.Plan" and doc["version"] == 4
     assert doc["sites"][2]["errors"]["float8"] == "inf"
 
 
@@ -494,10 +494,10 @@ def test_bad_json_raises_clearly():
         jxp.Plan.from_json("[]")
     with pytest.raises(
         ValueError,
-        match=r"reads plans of versions 1, 2 and 3, got version 4: load it with the "
+        match=r"reads plans of versions 1 to 4, got version 5: load it with the "
         r"jaxscale that wrote it",
     ):
-        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=4, extra=1)))
+        jxp.Plan.from_json(_edited(plan, lambda d: d.update(version=5, extra=1)))
     with pytest.raises(ValueError, match=r"missing \[\], unknown \['comment'\]"):
         jxp.Plan.from_json(_edited(plan, lambda d: d.update(comment="mine")))
     with pytest.raises(

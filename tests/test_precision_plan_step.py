@@ -93,14 +93,14 @@ def test_the_monitor_takes_the_plans_dtype_and_refuses_another(bf16_plan):
 def test_json_keeps_the_dtype_and_a_version_1_file_loads_it_unknown(bf16_plan):
     text = bf16_plan.to_json()
     doc = json.loads(text)
-    assert doc["version"] == 3 and doc["dtype"] == "bfloat16"
+    assert doc["version"] == 4 and doc["dtype"] == "bfloat16"
     assert doc["loss_scale"] == 8.0
     back = jxp.Plan.from_json(text)
     assert back == bf16_plan and back.dtype == np.dtype(jnp.bfloat16)
     for key in ("dtype", "loss_scale", "allowed", "traced", "budget_in"):
         del doc[key]
     for entry in doc["sites"]:
-        del entry["pinned"], entry["noise"]
+        del entry["pinned"], entry["noise"], entry["kind"]
     doc["version"] = 1
     old = jxp.Plan.from_json(json.dumps(doc))
     assert old.dtype is None and old.loss_scale is None

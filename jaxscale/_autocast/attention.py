@@ -174,7 +174,7 @@ def run(
     if asked == "cudnn":  # as asked: jax's error if cuDNN cannot take it
         outs = _flat(cudnn(*xs))
         it.note("attention: cuDNN, as asked")
-    elif _cudnn_traces(cudnn, xs):
+    elif _may_fuse(it, eqn) and _cudnn_traces(cudnn, xs):
         n = len(xs)
 
         def default(*ys: Any) -> Any:
@@ -193,6 +193,14 @@ def run(
         return written(*vals)
     out_infos = [fresh_info(o)._replace(lowered=dtype_of(o) == dtype) for o in outs]
     return outs, out_infos
+
+
+def _may_fuse(it: Any, eqn: Any) -> bool:
+    """Whether the interpreter's extension lets the call's products run in
+    cuDNN's kernel, unseen (a plan whose sites there are not all 16-bit, or a
+    sensor, does not: :meth:`~jaxscale._autocast.interp.Extension.may_fuse`)."""
+    body = jit_body(eqn)
+    return body is None or it.ext.may_fuse(body.jaxpr.eqns)
 
 
 def _narrow(it: Any, x: Any, dtype: np.dtype, saturating: bool) -> Any:

@@ -385,7 +385,8 @@ def resolve(
     """``autocast``'s arguments checked and resolved: the dtype, the table, the
     rule classes (with the rule object passed in, if any, in the plug-in slot,
     :attr:`Slot.PLUGIN`) and that rule object (a :class:`PluginRule`, or
-    ``None``). ``dot_general`` takes the plug-in unless ``rules`` names it, and
+    ``None``). ``dot_general`` (and the plug-in's other ``primitives``, a
+    plan's ``conv_general_dilated``) takes the plug-in unless ``rules`` names it, and
     so does every primitive ``rules`` gives the ``"float8"`` rule (the name
     users write for the rule object passed in)."""
     dt = check_dtype(dtype)
@@ -400,8 +401,9 @@ def resolve(
             )
         return dt, table, RULE_CLASSES, None
     plugin.check(dt)
-    if not (rules and names_dot(rules)):
-        table["dot_general"] = Slot.PLUGIN
+    for name in getattr(plugin, "primitives", ("dot_general",)):
+        if not (rules and names_primitive(rules, name)):
+            table[name] = Slot.PLUGIN
     table = {
         k: Slot.PLUGIN if v is AutocastRule.FLOAT8 else v for k, v in table.items()
     }
@@ -462,9 +464,13 @@ def _named(value: Any) -> Any:
 
 
 def names_dot(rules: Mapping[Any, Any]) -> bool:
+    return names_primitive(rules, "dot_general")
+
+
+def names_primitive(rules: Mapping[Any, Any], name: str) -> bool:
+    """Whether ``rules`` gives primitive ``name`` a rule of its own."""
     return any(
-        (k if isinstance(k, str) else getattr(k, "name", None)) == "dot_general"
-        for k in rules
+        (k if isinstance(k, str) else getattr(k, "name", None)) == name for k in rules
     )
 
 

@@ -118,14 +118,24 @@ class Extension:
       values the extension threads (``shard_map``, the schema-free rewrite);
     - ``loop(length)``: a :class:`Loop` for one ``scan``;
     - ``fuses(chain)``: whether a written-out attention
-      (:class:`jaxscale._autocast.fusion.Chain`) may run fused, its equations
-      then unseen by the rule (default: no).
+      (:class:`jaxscale._autocast.fusion.Chain`) is taken as one chain,
+      evaluated at its end (default: no); ``skipped(eqn)`` is then called for
+      each of its equations where the program meets it, and
+      ``may_fuse(eqns)`` at its end (and for ``jax.nn.dot_product_attention``'s
+      body) says whether it may run as a fused kernel that evaluates none of
+      ``eqns`` (default: yes).
     """
 
     inline_calls = False
 
     def fuses(self, chain: Any) -> bool:
         return False
+
+    def may_fuse(self, eqns: Any) -> bool:
+        return True
+
+    def skipped(self, eqn: Any) -> None:
+        pass
 
     def suspended(self) -> Any:
         return contextlib.nullcontext()
@@ -321,6 +331,7 @@ class Interpreter:
         try:
             for eqn in jaxpr.eqns:
                 if id(eqn) in inside:  # evaluated with its chain, at its end
+                    self.ext.skipped(eqn)
                     continue
                 if eqn in found:
                     if constants is None:  # what is known at trace time
@@ -390,6 +401,8 @@ class Interpreter:
             out = [local[v] for v in chain.out.outvars]
             return [o for o, _ in out], [i for _, i in out]
 
+        if not self.ext.may_fuse(chain.eqns):
+            return written(*[v for v, _ in inputs.values()])
         return attention.run_chain(self, chain, inputs, constants, written)
 
     def widens(self, eqn: Any) -> bool:

@@ -1,5 +1,5 @@
-"""A plan applied: each matmul site (:mod:`jaxscale.precision._sites`) run in
-its format.
+"""A plan applied: each site (:mod:`jaxscale.precision._sites`) run in its
+format.
 
 :class:`SiteRule` is the :class:`~jaxscale.internal.PluginRule` that finds the
 sites (its extension, a :class:`~jaxscale.precision._sites.SiteContext`, names
@@ -11,7 +11,8 @@ them); :class:`PlanRule` runs each in its plan's format:
   float32, its backward in the autocast dtype (the widening rule's product);
 - ``FLOAT8`` / ``FLOAT8_ROWWISE``: float8 with current scaling per tensor /
   per row (:class:`jaxscale.float8.CurrentScaling` /
-  :class:`~jaxscale.float8.RowwiseScaling`), the output in the autocast dtype.
+  :class:`~jaxscale.float8.RowwiseScaling`), the output in the autocast dtype
+  (dense sites only: :data:`~jaxscale.precision._measure.KINDS`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from jaxscale.internal import (
     float8_dot,
     wide_product,
 )
-from jaxscale.precision._measure import FORMATS
-from jaxscale.precision._sites import SiteContext, site_sizes
+from jaxscale.precision._measure import FORMATS, KINDS, kind_formats
+from jaxscale.precision._sites import ALL_KINDS, SiteContext, site_kind
 
 __all__ = ["FLOAT8_RECIPES", "PlanRule", "SiteRule"]
 
@@ -54,11 +55,15 @@ FLOAT8_RECIPES = MappingProxyType(
 
 class SiteRule(PluginRule):
     """The base of the rules that act on sites: finds them (:meth:`decide`),
-    and runs any other ``dot_general`` as the ``"lower"`` rule. A subclass
-    defines :meth:`format_of` (the format of a site, given its name) and may
-    override :meth:`emit_site`."""
+    those of :attr:`kinds`, and runs any other product as the ``"lower"``
+    rule. A subclass defines :meth:`format_of` (the format of a site, given
+    its name and kind) and may override :meth:`emit_site`."""
 
     __slots__ = ()
+    # The kinds of site the rule acts on (the others run as without a plan).
+    kinds: frozenset[str] = ALL_KINDS
+    # The primitives it takes in autocast's table (``entry.resolve``).
+    primitives = ("dot_general", "conv_general_dilated")
 
     def check(self, dtype: np.dtype) -> None:
         if dtype == _F32:
@@ -69,10 +74,17 @@ class SiteRule(PluginRule):
             )
 
     def begin(self) -> SiteContext:
-        return SiteContext()
+        return SiteContext(self.kinds)
 
     def format_of(
-        self, ctx: SiteContext, name: str, mkn: tuple, eqn: Any, vals: list, infos: Any
+        self,
+        ctx: SiteContext,
+        name: str,
+        mkn: tuple,
+        eqn: Any,
+        vals: list,
+        infos: Any,
+        kind: str = "dense",
     ) -> Any:
         raise NotImplementedError
 
@@ -81,11 +93,12 @@ class SiteRule(PluginRule):
         ctx = it.extension
         if not isinstance(ctx, SiteContext) or ctx.paused:
             return None
-        mkn = site_sizes(eqn, vals)
-        if mkn is None:
+        found = site_kind(eqn, vals, infos)
+        if found is None or found[0] not in ctx.kinds:
             return None
-        name = ctx.register(str(eqn.source_info.name_stack))
-        fmt = self.format_of(ctx, name, mkn, eqn, vals, infos)
+        kind, mkn = found
+        name = ctx.name_of(eqn)
+        fmt = self.format_of(ctx, name, mkn, eqn, vals, infos, kind)
         ctx.choice = (eqn, name, fmt)
         return fmt
 
@@ -143,30 +156,39 @@ class _PlanContext(SiteContext):
     site, runs as autocast runs it without a plan. A plan threads no values
     through the function, so a ``jit`` body is re-traced, not inlined (JAX
     sums a value's cotangents in another order across an inlined call, which
-    moves a 16-bit gradient by an ulp), and a written-out attention without a
-    site runs fused where autocast fuses it."""
+    moves a 16-bit gradient by an ulp), and a written-out attention whose
+    sites are all 16-bit runs fused where autocast fuses it."""
 
     inline_calls = False
 
-    def fuses(self, chain: Any) -> bool:
-        """A written-out attention runs fused, as without a plan, unless one
-        of its products is a site (a score product without batch dimensions),
-        whose format the plan chooses."""
+    def __init__(self, rule: PlanRule):
+        super().__init__(rule.kinds)
+        self.formats = dict(rule.formats)
+
+    def may_fuse(self, eqns: Any) -> bool:
+        """A written-out attention (or ``jax.nn.dot_product_attention``) runs
+        fused, as without a plan, when each of its sites is 16-bit in the plan
+        (or not named: :meth:`PlanRule.format_of` then raises)."""
         return all(
-            site_sizes(e, [v.aval for v in e.invars]) is None for e in chain.eqns
+            self.formats.get(name, Format.HALF) is Format.HALF
+            for _, name in self.predict(eqns)
         )
 
 
 class _ShapeRule(SiteRule):
-    """Finds each site's ``(m, k, n)`` (in ``shapes``), running it in 16 bits."""
+    """Finds each site's ``(m, k, n)`` (in ``shapes``) and kind (in
+    ``kinds_met``), running it in 16 bits; ``kinds``: the kinds it counts."""
 
-    __slots__ = ("shapes",)
+    __slots__ = ("kinds", "kinds_met", "shapes")
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: frozenset[str] = ALL_KINDS) -> None:
         self.shapes: dict[str, tuple[int, int, int]] = {}
+        self.kinds_met: dict[str, str] = {}
+        self.kinds = frozenset(kinds)
 
-    def format_of(self, ctx, name, mkn, eqn, vals, infos):
+    def format_of(self, ctx, name, mkn, eqn, vals, infos, kind="dense"):
         self.shapes.setdefault(name, tuple(mkn))
+        self.kinds_met.setdefault(name, kind)
         return Format.HALF
 
 
@@ -196,19 +218,29 @@ def _plan_formats(value: Any) -> tuple[tuple[str, Format], ...]:
 @dataclasses.dataclass(frozen=True)
 class PlanRule(SiteRule):
     """A plan's formats as an autocast rule: ``jxs.autocast(f, dtype,
-    plan=plan)`` runs each site in ``formats[site]``. A site the plan does
-    not name, or a site it names that ``f`` never meets, raises: the plan was
-    made for another function (another depth, another layer), and a silent
-    default would hide it."""
+    plan=plan)`` runs each site of ``kinds`` in ``formats[site]``. A site of
+    those kinds the plan does not name, or a site it names that ``f`` never
+    meets, raises: the plan was made for another function (another depth,
+    another layer), and a silent default would hide it. Sites of other kinds
+    (a plan made before batched products and convolutions were sites) run as
+    autocast runs them without a plan, unnamed."""
 
     formats: Any = ()
     origin: str = "the plan"
     # ``{site: (m, k, n)} -> ((site, Format), ...)``: the formats at a traced
     # step's shapes (``Plan.at``); ``None``: the formats as given.
     resolve: Any = None
+    kinds: frozenset[str] = frozenset({"dense"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "formats", _plan_formats(self.formats))
+        kinds = frozenset(self.kinds)
+        if not kinds <= ALL_KINDS:
+            raise ValueError(
+                f"`kinds` must be kinds of site ({sorted(ALL_KINDS)}), got "
+                f"{sorted(kinds)}."
+            )
+        object.__setattr__(self, "kinds", kinds)
 
     def prepare(self, trace: Any) -> PlanRule:
         """The rule for one traced step: with ``resolve``, the formats at the
@@ -216,24 +248,31 @@ class PlanRule(SiteRule):
         function under ``rule``) finds; else this rule."""
         if self.resolve is None:
             return self
-        counter = _ShapeRule()
+        counter = _ShapeRule(self.kinds)
         trace(counter)
         formats = self.resolve(MappingProxyType(counter.shapes))
-        return PlanRule(formats, f"{self.origin} at the traced shapes")
+        origin = f"{self.origin} at the traced shapes"
+        return PlanRule(formats, origin, kinds=self.kinds)
 
     def begin(self) -> SiteContext:
-        return _PlanContext()
+        return _PlanContext(self)
 
-    def format_of(self, ctx, name, mkn, eqn, vals, infos):
+    def format_of(self, ctx, name, mkn, eqn, vals, infos, kind="dense"):
         fmt = dict(self.formats).get(name)
         if fmt is None:
             known = ", ".join(s for s, _ in self.formats[:8]) or "none"
             more = " ..." if len(self.formats) > 8 else ""
             raise ValueError(
-                f"`plan`: the function has a matmul site {name!r} (m, k, n = "
+                f"`plan`: the function has a {kind} site {name!r} (m, k, n = "
                 f"{mkn}) that {self.origin} does not name (it names {known}{more}): "
                 "it was made for another function. Make a plan for this one "
                 "(`jxs.plan_precision`), or add the site with `Plan.replace`."
+            )
+        if fmt not in KINDS[kind]:
+            raise ValueError(
+                f"`plan`: site {name!r} is a {kind} site (m, k, n = {mkn}), which "
+                f"runs in {kind_formats(kind)}; {self.origin} gives it "
+                f"Format.{fmt.name}."
             )
         return fmt
 

@@ -52,7 +52,15 @@ from jaxscale.precision._measure import (
     scores,
 )
 
-__all__ = ["choose", "feasible_time", "frontier", "picoseconds", "solver_why"]
+__all__ = [
+    "by_range",
+    "choose",
+    "feasible_time",
+    "frontier",
+    "picoseconds",
+    "range_why",
+    "solver_why",
+]
 
 _MARGIN = 1e-9  # the bounds' relative margin for float rounding
 
@@ -72,10 +80,13 @@ def choose(
     (each site must have one); a site in ``pinned`` takes only its pinned
     format (its ``why`` is then ``""``: the caller keeps its own)."""
     pinned = pinned or {}
+    ruled = {m.site: by_range(m, allowed) for m in measures if m.kind == "batched"}
     usable, candidates = [], []
     for m in measures:
         if m.site in pinned:
             usable.append([pinned[m.site]])
+        elif ruled.get(m.site) is not None:
+            usable.append([ruled[m.site]])
         else:
             usable.append([f for f in PRECISION if f in allowed and f in m.errors])
         candidates.append([f for f in usable[-1] if math.isfinite(scores(m, by)[f])])
@@ -98,10 +109,34 @@ def choose(
         if m.site in pinned:
             out.append((fs[j], ""))
             continue
+        if ruled.get(m.site) is not None:
+            out.append((fs[j], range_why(m, fs[j], cost, by)))
+            continue
         faster = [f for f in us if picoseconds(m.seconds(f, cost)) < ts[j]]
         slower = [f for f in fs if f not in faster and f is not fs[j]]
         out.append((fs[j], solver_why(m, fs[j], cost, faster, slower, by)))
     return out
+
+
+def by_range(m: SiteMeasure, allowed: frozenset[Format]) -> Format | None:
+    """A batched site's format by the widening rule made per site: 16 bits
+    where the sensor found its range holds (a finite 16-bit error: its
+    largest output within the 16-bit dtype's, with headroom), else 16 bits
+    with a float32 result, else float32 (the first allowed and measured with a
+    finite error; ``None``: none is)."""
+    for f in (Format.HALF, Format.HALF_WIDE, Format.FLOAT32):
+        if f in allowed and math.isfinite(m.errors.get(f, math.inf)):
+            return f
+    return None
+
+
+def range_why(m: SiteMeasure, fmt: Format, cost: DeviceCost, by: str) -> str:
+    """Why a batched site runs in ``fmt``: the range rule, with the largest
+    magnitude measured and the limit (the sensor's 16-bit note)."""
+    why = f"{fmt.value}: the range rule, {half_ratio(m, fmt, cost):.2f}x the "
+    why += f"16-bit time, {by} {number(scores(m, by)[fmt])}"
+    note = m.notes.get(Format.HALF)
+    return f"{why}; {note}" if note else why
 
 
 def _describe(m: SiteMeasure, fmt: Format, cost: DeviceCost, by: str) -> str:

@@ -12,7 +12,7 @@ from jaxscale._cost import DeviceCost
 from jaxscale._speed import Format
 from jaxscale.precision._measure import PRECISION, SiteMeasure, score
 
-JSON_KIND, JSON_VERSION = "jaxscale.precision.Plan", 3
+JSON_KIND, JSON_VERSION = "jaxscale.precision.Plan", 4
 
 __all__ = [
     "JSON_KIND",
@@ -78,7 +78,8 @@ def duration(seconds: float) -> str:
 
 
 # The fields of a saved plan (version 2 adds V2_FIELDS and a site's ``pinned``;
-# version 3, V3_FIELDS and a site's ``noise``).
+# version 3, V3_FIELDS and a site's ``noise``; version 4, a site's ``kind``:
+# before it every site was dense).
 V2_FIELDS = frozenset({"dtype", "loss_scale", "allowed", "traced"})
 V3_FIELDS = frozenset({"budget_in"})
 PLAN_FIELDS = (
@@ -100,6 +101,7 @@ SITE_FIELDS = frozenset(
         "half_seconds",
         "why",
         "pinned",
+        "kind",
     }
 )
 
@@ -124,6 +126,7 @@ def plan_doc(plan: Any) -> dict[str, Any]:
                 "half_seconds": s.half_seconds,
                 "why": s.why,
                 "pinned": s.site in plan.pinned,
+                "kind": m.kind,
             }
         )
     doc = {
@@ -144,7 +147,7 @@ def plan_doc(plan: Any) -> dict[str, Any]:
 
 def plan_fields(text: str) -> tuple[Any, ...]:
     """The :class:`~jaxscale.precision.Plan` fields, in order, of the JSON text
-    :meth:`~jaxscale.precision.Plan.to_json` wrote (versions 1 to 3).
+    :meth:`~jaxscale.precision.Plan.to_json` wrote (versions 1 to 4).
 
     Raises:
       ValueError: if ``text`` is not JSON, is not a plan, has a version this
@@ -160,9 +163,9 @@ def plan_fields(text: str) -> tuple[Any, ...]:
             f"`text` must be the JSON of a {JSON_KIND} (`Plan.to_json`), got "
             f"kind {kind!r}."
         )
-    if doc.get("version") not in (1, 2, JSON_VERSION):
+    if doc.get("version") not in (1, 2, 3, JSON_VERSION):
         raise ValueError(
-            "`text`: this jaxscale reads plans of versions 1, 2 and "
+            "`text`: this jaxscale reads plans of versions 1 to "
             f"{JSON_VERSION}, got version {doc.get('version')!r}: load it "
             "with the jaxscale that wrote it, or solve the plan again."
         )
@@ -170,6 +173,7 @@ def plan_fields(text: str) -> tuple[Any, ...]:
         # Version 1 has no dtype or loss scale: both unknown (None);
         # versions 1 and 2 no noise figures: a budget of error scores.
         v1, old = doc["version"] == 1, doc["version"] < 3
+        v3 = doc["version"] < 4  # no kinds: every site dense
         expected = PLAN_FIELDS - V3_FIELDS if old else PLAN_FIELDS
         fields("the plan", doc, expected - V2_FIELDS if v1 else expected)
         fields("`cost`", doc["cost"], set(DeviceCost._fields))
@@ -181,6 +185,7 @@ def plan_fields(text: str) -> tuple[Any, ...]:
         for entry in doc["sites"]:
             site_fields = SITE_FIELDS - {"noise"} if old else SITE_FIELDS
             site_fields = site_fields - {"pinned"} if v1 else site_fields
+            site_fields = site_fields - {"kind"} if v3 else site_fields
             fields("a site", entry, site_fields, optional={"runs"})
             if v1 or entry["pinned"] is True:  # version 1: runs as saved
                 pinned.append(entry["site"])
@@ -197,6 +202,7 @@ def plan_fields(text: str) -> tuple[Any, ...]:
                 notes,
                 entry.get("runs", 1),
                 noise,
+                string("`kind`", entry.get("kind", "dense")),
             )
             fmt = Format(entry["format"])
             # The times are written for readers; the plan derives them.

@@ -21,8 +21,10 @@ from jaxscale._speed import Format, site_seconds
 
 __all__ = [
     "FORMATS",
+    "KINDS",
     "PRECISION",
     "SiteMeasure",
+    "kind_formats",
     "half_ratio",
     "in_order",
     "number",
@@ -39,6 +41,23 @@ PRECISION = (
     Format.FLOAT8,
 )
 FORMATS = ", ".join(f"Format.{f.name}" for f in PRECISION)  # for messages
+# The kinds of site and the formats each runs in (``docs/precision.md``, "Score
+# and convolution sites"): a ``dot_general`` without batch dimensions (every
+# format), one with batch dimensions on two activations (attention's score and
+# value products: 16 bits, 16 bits with a float32 result, float32) and a
+# ``conv_general_dilated`` (16 bits or float32: no float8 convolution).
+KINDS = {
+    "dense": PRECISION,
+    "batched": (Format.FLOAT32, Format.HALF_WIDE, Format.HALF),
+    "conv": (Format.FLOAT32, Format.HALF),
+}
+
+
+def kind_formats(kind: str) -> str:
+    """The formats a site of ``kind`` runs in, for messages."""
+    return ", ".join(f"Format.{f.name}" for f in KINDS[kind])
+
+
 _BYTES = (1, 2, 4, 8)
 
 
@@ -151,13 +170,19 @@ class SiteMeasure:
         noise budget, :class:`~jaxscale.precision.NoiseBudget`, adds up);
         the same formats as ``errors``, ``math.inf`` exactly where ``errors``
         is. ``None``: not measured (a noise budget then refuses the site).
+      kind: ``"dense"`` (a ``dot_general`` without batch dimensions, every
+        format), ``"batched"`` (with batch dimensions on two activations:
+        attention's products; ``FLOAT32``, ``HALF_WIDE``, ``HALF``) or
+        ``"conv"`` (a ``conv_general_dilated``; ``FLOAT32``, ``HALF``), its
+        ``shape`` the equivalent GEMM's.
 
     Raises:
       TypeError: if a field has the wrong type.
       ValueError: if ``site`` is empty, a size is not positive, a byte count is
         not one of 1, 2, 4, 8, ``errors`` is empty, an error is negative or NaN,
-        a note names a format that ``errors`` does not, or ``noise`` names
-        other formats than ``errors`` or is ``inf`` elsewhere.
+        a note names a format that ``errors`` does not, ``noise`` names
+        other formats than ``errors`` or is ``inf`` elsewhere, or ``kind`` is
+        unknown or ``errors`` holds a format its kind does not run in.
 
     Examples:
       >>> import jaxscale as jxs
@@ -180,6 +205,7 @@ class SiteMeasure:
     notes: Mapping[Format, str] = dataclasses.field(default_factory=dict)
     runs: int = 1
     noise: Mapping[Format, float] | None = None
+    kind: str = "dense"
 
     def __post_init__(self):
         site = self.site
@@ -187,6 +213,11 @@ class SiteMeasure:
             raise (TypeError if not isinstance(site, str) else ValueError)(
                 "`site` must be a non-empty string (the site's name-stack path, "
                 f"e.g. 'GPT/block_0/mlp_up'), got {site!r}."
+            )
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"SiteMeasure {site!r}: `kind` must be one of {list(KINDS)}, got "
+                f"{self.kind!r}."
             )
         rule = "three positive integers (m, k, n) of the product [m, k] x [k, n]"
         shape = _ints("shape", site, self.shape, 3, rule)
@@ -208,6 +239,12 @@ class SiteMeasure:
             raise ValueError(
                 f"SiteMeasure {site!r}: `errors` must hold at least one format's "
                 "error score, got an empty mapping."
+            )
+        foreign = [f.value for f in errors if f not in KINDS[self.kind]]
+        if foreign:
+            raise ValueError(
+                f"SiteMeasure {site!r}: a {self.kind} site runs in "
+                f"{kind_formats(self.kind)} only, got errors for {', '.join(foreign)}."
             )
         notes = _by_format("notes", site, self.notes, _note)
         unmeasured = [str(f) for f in notes if f not in errors]
@@ -254,6 +291,7 @@ class SiteMeasure:
                 tuple(self.notes.items()),
                 self.runs,
                 None if self.noise is None else tuple(self.noise.items()),
+                self.kind,
             )
         )
 

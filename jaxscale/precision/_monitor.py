@@ -200,7 +200,7 @@ class _MonitorRule(PlanRule):
 
     def begin(self) -> SiteContext:
         session = SESSION.current()
-        return ProbeContext(session if session is not None else Session())
+        return ProbeContext(session if session is not None else Session(), self.kinds)
 
     def emit_site(self, it, eqn, params, vals, name, fmt):
         outs = super().emit_site(it, eqn, params, vals, name, fmt)
@@ -405,7 +405,9 @@ class Monitor:
         loss scale or a state holding one), as :func:`jaxscale.value_and_grad`:
         the loss is scaled and the gradients come back scaled."""
         rule = _MonitorRule(
-            tuple((s.site, s.format) for s in self.plan.sites), "the monitor's plan"
+            tuple((s.site, s.format) for s in self.plan.sites),
+            "the monitor's plan",
+            kinds=frozenset(m.kind for m in self.plan.measures),
         )
         run = autocast(fun, self.dtype, plan=rule)
         single = isinstance(argnums, int)

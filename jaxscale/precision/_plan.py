@@ -32,10 +32,12 @@ from jaxscale.precision._json import (
 )
 from jaxscale.precision._measure import (
     FORMATS,
+    KINDS,
     PRECISION,
     SiteMeasure,
     half_ratio,
     in_order,
+    kind_formats,
     number,
     score,
     scores,
@@ -359,7 +361,9 @@ class Plan:
         ``jxs.autocast(f, dtype, plan=plan)`` calls this for. At trace time
         it runs the plan :meth:`at` the traced shapes."""
         formats = tuple((s.site, s.format) for s in self.sites)
-        return PlanRule(formats, f"the plan ({len(formats)} sites)", _AtShapes(self))
+        kinds = frozenset(m.kind for m in self.measures)
+        origin = f"the plan ({len(formats)} sites)"
+        return PlanRule(formats, origin, _AtShapes(self), kinds)
 
     def with_dtype(self, dtype: Any, loss_scale: float | None = None) -> Plan:
         """This plan's formats, to run in ``dtype``: an explicit override.
@@ -492,8 +496,10 @@ class Plan:
 
         Raises:
           TypeError: if ``fmt`` is not a ``Format``.
-          ValueError: if the plan has no such site, or ``fmt`` was not measured
-            there or its range fails there (error ``inf``).
+          ValueError: if the plan has no such site, ``fmt`` is not a format
+            of the site's kind (no float8 at a batched product or a
+            convolution), or ``fmt`` was not measured there or its range
+            fails there (error ``inf``).
         """
         reason = "chosen by the user" if why is None else str(why)
         edited = self._edit(site, fmt, reason)
@@ -514,6 +520,11 @@ class Plan:
                 f"`fmt` must be a Format ({FORMATS}), got {type(fmt).__name__} {fmt!r}."
             )
         m = self.measures[where[site]]
+        if fmt not in KINDS[m.kind]:
+            raise ValueError(
+                f"`fmt` must be a format a {m.kind} site runs in "
+                f"({kind_formats(m.kind)}) at site {site!r}, got {fmt}."
+            )
         if fmt not in m.errors:
             raise ValueError(
                 f"`fmt` must be a format measured at site {site!r} (one of "

@@ -18,7 +18,7 @@ from jaxscale._distributed import differing_processes, from_every_process
 from jaxscale._speed import Format
 from jaxscale.internal import autocast, check_dtype
 from jaxscale.precision._budget import NoiseBudget
-from jaxscale.precision._measure import PRECISION, SiteMeasure, number
+from jaxscale.precision._measure import KINDS, PRECISION, SiteMeasure, number
 from jaxscale.precision._plan import Plan
 from jaxscale.precision._solve import solve
 from jaxscale.precision._tap import (
@@ -183,6 +183,7 @@ class Sensor:
         )
         self._run = autocast(fun, self.dtype, rules=rules, plan=rule)
         self._sites: dict[str, tuple[Any, ...]] = {}
+        self._kinds: dict[str, str] = {}
         self._order: list[str] = []
         self._sums: list[TapStats] | None = None  # per site, float64 sums
         self.batches = 0
@@ -213,11 +214,12 @@ class Sensor:
             jax.eval_shape(lambda a, k: self._run(*a, **k), args, kwargs)
         if not session.order:
             raise ValueError(
-                "`fun` has no matmul site (a `dot_general` without batch "
-                "dimensions, outside custom-derivative rules and `shard_map`): "
-                "there is nothing to plan."
+                "`fun` has no site (a `dot_general` or a `conv_general_dilated`, "
+                "outside custom-derivative rules and `shard_map`): there is "
+                "nothing to plan."
             )
         self._sites, self._order = session.sites, session.order
+        self._kinds = session.kinds
 
     def update(self, *args: Any, **kwargs: Any) -> Sensor:
         """Measures one calibration batch (``fun(*args, **kwargs)``); returns
@@ -232,10 +234,7 @@ class Sensor:
         if not mine:  # a global batch: process 0 keeps its sums for all
             sums = jax.tree.map(np.zeros_like, sums)
         if self._sums is not None:
-            sums = [
-                jax.tree.map(np.add, a, b)
-                for a, b in zip(self._sums, sums, strict=True)
-            ]
+            sums = [_add(a, b) for a, b in zip(self._sums, sums, strict=True)]
         self._sums = sums
         self.batches += 1
         self._mine += mine
@@ -259,7 +258,7 @@ class Sensor:
         out = {}
         for name, sums in zip(self._order, all_sums, strict=True):
             mean = sums._asdict()
-            mean = {k: v / batches for k, v in mean.items()}
+            mean = {k: v if k == "amax" else v / batches for k, v in mean.items()}
             row: dict[Any, dict[str, float]] = {
                 f: {k: mean[k][j] for k in FIELDS} for j, f in enumerate(PRECISION)
             }
@@ -272,24 +271,28 @@ class Sensor:
         with its ``noise`` figures where the batches' rows split in two
         (:meth:`noise_problem` says why not)."""
         stats = self.stats()
-        noise = _noise_fractions(stats, self.formats)
+        noise = _noise_fractions(stats, self.formats, self._kinds)
         fisher, grad, notes = {}, {}, {}
         for name, row in stats.items():
             ref = row["reference"]
-            for f in self.formats:
+            for f in self._formats_at(name):
                 s = row[f]
                 fisher[name, f] = s["fisher"]
                 grad[name, f] = sum(
                     s[k] / ref[r] for k, r in _GRAD_ERRORS if ref[r] > 0
                 )
                 notes[name, f] = _trouble(s, ref, f, self.dtype, self.loss_scale)
+            if self._kinds.get(name) == "batched" and Format.HALF in self.formats:
+                notes[name, Format.HALF] = _range_rule(
+                    notes[name, Format.HALF], ref["amax"], self.dtype
+                )
         half = [n for n in stats if not notes[n, Format.HALF][0]]
         big_f = math.fsum(fisher[n, Format.HALF] for n in half)
         big_g = math.fsum(grad[n, Format.HALF] for n in half)
         out = []
         for name in self._order:
             errors, words = {}, {}
-            for f in self.formats:
+            for f in self._formats_at(name):
                 failed, note = notes[name, f]
                 e = (fisher[name, f] / big_f if big_f > 0 else 0.0) + (
                     grad[name, f] / big_g if big_g > 0 else 0.0
@@ -302,10 +305,19 @@ class Sensor:
             if noise is not None:
                 fractions = {
                     f: math.inf if math.isinf(errors[f]) else noise[name][f]
-                    for f in self.formats
+                    for f in errors
                 }
-            out.append(SiteMeasure(name, mkn, nbytes, errors, words, runs, fractions))
+            kind = self._kinds.get(name, "dense")
+            out.append(
+                SiteMeasure(name, mkn, nbytes, errors, words, runs, fractions, kind)
+            )
         return tuple(out)
+
+    def _formats_at(self, name: str) -> tuple[Format, ...]:
+        """The formats measured at site ``name``: those its kind runs in."""
+        return tuple(
+            f for f in self.formats if f in KINDS[self._kinds.get(name, "dense")]
+        )
 
     def noise_problem(self) -> str | None:
         """Why the batches measured give no noise figures (``None``: they do).
@@ -365,7 +377,7 @@ def _noise_problem(stats: dict) -> str | None:
 
 
 def _noise_fractions(
-    stats: dict, formats: tuple[Format, ...]
+    stats: dict, formats: tuple[Format, ...], kinds: dict[str, str] | None = None
 ) -> dict[str, dict[Format, float]] | None:
     """Per site and format, the gradient error the format adds as a fraction
     of the model's minibatch gradient noise (``None`` without noise figures):
@@ -376,16 +388,23 @@ def _noise_fractions(
     estimate), over the sum of the sites' ``noise``."""
     if _noise_problem(stats) is not None:
         return None
+    kinds = kinds or {}
     total = math.fsum(row["reference"]["noise"] for row in stats.values())
     below, out = 0.0, {}
     for name, row in stats.items():
         ref = row["reference"]
+        kind = kinds.get(name, "dense")
         out[name] = {}
-        for f in formats:
+        for f in (f for f in formats if f in KINDS[kind]):
             s = row[f]
             reach = s["dx"] / ref["dx_ref"] * below if ref["dx_ref"] > 0 else 0.0
-            out[name][f] = (s["dw"] + reach) / total
-        below += ref["dw_ref"]
+            if kind == "batched":  # both operands activations: no weight
+                own = s["dw"] / ref["dw_ref"] * below if ref["dw_ref"] > 0 else 0.0
+                out[name][f] = (own + reach) / total
+            else:
+                out[name][f] = (s["dw"] + reach) / total
+        if kind != "batched":
+            below += ref["dw_ref"]
     return out
 
 
@@ -426,11 +445,54 @@ def _agree(
     total = every[0].copy()
     for row in every[1:]:  # in process order: the same bits on every process
         total += row
+    at = 0  # each site's ``amax``: the largest over the processes, not the sum
+    for path, a in jax.tree_util.tree_flatten_with_path(sums)[0]:
+        if getattr(path[-1], "name", None) == "amax":
+            total[at : at + a.size] = every[:, at : at + a.size].max(axis=0)
+        at += np.size(a)
     out, at = [], 0
     for a in leaves:
         out.append(total[at : at + a.size].reshape(np.shape(a)))
         at += a.size
     return jax.tree.unflatten(tree, out), int(total[-1])
+
+
+# A batched site keeps 16-bit results where its largest output measured (after
+# the scale rule's scale) times this stays within the 16-bit dtype's range: the
+# margin for batches not seen (``Monitor``'s default headroom too).
+SCORE_HEADROOM = 4.0
+
+
+def _add(a: TapStats, b: TapStats) -> TapStats:
+    """Two batches' sums: added, ``amax`` the larger."""
+    return TapStats(
+        *(
+            np.maximum(x, y) if k == "amax" else np.add(x, y)
+            for k, x, y in zip(TapStats._fields, a, b, strict=True)
+        )
+    )
+
+
+def _range_rule(
+    trouble: tuple[bool, str], amax: float, dtype: np.dtype
+) -> tuple[bool, str]:
+    """A batched site's 16-bit verdict, the widening rule made per site:
+    failed (16 bits with a float32 result instead) where its measured ``amax``
+    times :data:`SCORE_HEADROOM` exceeds ``dtype``'s largest value; the note
+    says the amax and the limit. bfloat16 (float32's range) never fails."""
+    failed, note = trouble
+    top = float(jnp.finfo(dtype).max)
+    if top > 1e30:
+        words = f"measured amax {number(amax)}, {dtype.name} has float32's range"
+    else:
+        limit = top / SCORE_HEADROOM
+        over = amax > limit
+        failed = failed or over
+        words = (
+            f"measured amax {number(amax)} {'>' if over else '<='} "
+            f"{limit:.6g} ({dtype.name}'s {top:.6g} / headroom {SCORE_HEADROOM:g})"
+        )
+    return failed, "; ".join(w for w in (words, note) if w)
 
 
 def _share(count: float, total: float) -> str:

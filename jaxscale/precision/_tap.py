@@ -31,7 +31,8 @@ row's covariance). A site of one row cannot split: its ``noise`` and
 The probe is a :class:`TapStats` (:mod:`jaxscale._probe`): each field named,
 the per-format ones ``f32[len(PRECISION)]``. Probes in a ``scan`` body enter
 once per iteration; their cotangents are summed over the iterations (every
-field declares ``"sum"``). :class:`~jaxscale.precision.Sensor`
+field but ``amax``, a maximum, declares ``"sum"``).
+:class:`~jaxscale.precision.Sensor`
 (:mod:`jaxscale.precision._sensor`) turns the sums into
 :class:`~jaxscale.precision.SiteMeasure` scores.
 """
@@ -55,7 +56,8 @@ from jaxscale._scope import Scope
 from jaxscale._speed import Format
 from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
 from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
-from jaxscale.precision._measure import PRECISION
+from jaxscale.precision._measure import KINDS, PRECISION
+from jaxscale.precision._optap import op_tap
 from jaxscale.precision._sites import ProbeContext, SiteContext
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "TapStats"]
@@ -81,6 +83,7 @@ REFERENCE = (
     "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
     "noise",  # h (N - h) |dw1 / h - dw2 / (N - h)|**2: the weight gradient's noise
     "halves",  # 1 where the rows split in two (N >= 2), else 0: noise measured
+    "amax",  # the output's largest magnitude (after the scale rule's scale)
 )
 SESSION = Scope("precision sensor")
 
@@ -88,7 +91,8 @@ SESSION = Scope("precision sensor")
 class TapStats(NamedTuple):
     """One site's probe (and its cotangent): per format in ``PRECISION``
     order, ``f32[len(PRECISION)]``, the :data:`FIELDS`; then the reference's
-    own sums, ``f32[]`` each, the :data:`REFERENCE`. Every field is a sum."""
+    own sums, ``f32[]`` each, the :data:`REFERENCE`. Every field is a sum but
+    ``amax``, a maximum."""
 
     linear: Any
     fisher: Any
@@ -106,6 +110,7 @@ class TapStats(NamedTuple):
     grad_beyond: Any
     noise: Any
     halves: Any
+    amax: Any
 
     @classmethod
     def zeros(cls) -> TapStats:
@@ -113,7 +118,7 @@ class TapStats(NamedTuple):
         return zeros(cls, **dict.fromkeys(FIELDS, (len(PRECISION),)))
 
 
-TapStats.COMBINE = dict.fromkeys(TapStats._fields, "sum")
+TapStats.COMBINE = {**dict.fromkeys(TapStats._fields, "sum"), "amax": "max"}
 assert TapStats._fields == FIELDS + REFERENCE  # the layout the docs name
 
 
@@ -124,9 +129,28 @@ class Session:
 
     def __init__(self, probes: Sequence[Any] | None = None):
         self.probes = list(probes) if probes is not None else None
-        # per site: (m, k, n), operand bytes, runs per step
+        # per site: (m, k, n), operand bytes, runs per step; and its kind
         self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int], int]] = {}
+        self.kinds: dict[str, str] = {}
         self.order: list[str] = []
+
+
+def _fold_scale(it: Any, eqn: Any) -> float:
+    """The magnitude of the scalar scale the scale rule applies after product
+    ``eqn`` in float32 before rounding (``q @ k.T * 0.125``): a literal's, or
+    1 where it is not known at trace time (the product's own range)."""
+    fold = it.fold_of(eqn)
+    if fold is None:
+        return 1.0
+    out = eqn.outvars[0]
+    others = [v for v in fold.invars if v is not out]
+    val = getattr(others[0], "val", None) if len(others) == 1 else None
+    if val is None or np.ndim(val) != 0:
+        return 1.0
+    c = abs(float(np.asarray(val)))
+    if fold.primitive.name == "div":
+        return 1.0 / c if c > 0 else 1.0
+    return c
 
 
 def _reference(x, w, dims):
@@ -348,6 +372,7 @@ def _tap(
         ref = [_sq(dx2), _sq(dw), y.size, _count(g2 != 0), x.size + w.size]
         ref.append(_count(jnp.abs(g2) > top))
         ref.extend(noise)
+        ref.append(jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0))
         # Stacked, then named: under ``vmap`` the sizes are batched like the
         # sums and added over the examples as they are.
         probe = TapStats(
@@ -374,8 +399,8 @@ class SensorRule(SiteRule):
         session = SESSION.current()
         return ProbeContext(session if session is not None else Session())
 
-    def format_of(self, ctx, name, mkn, eqn, vals, infos):
-        """Records the site (its size and operand bytes as met); the sensor runs
+    def format_of(self, ctx, name, mkn, eqn, vals, infos, kind="dense"):
+        """Records the site (its size, operand bytes and kind as met); the sensor runs
         it as the float32 reference."""
         nbytes = tuple(
             dtype_of(v).itemsize if i.param else 2
@@ -383,6 +408,7 @@ class SensorRule(SiteRule):
         )
         runs = math.prod(ctx.loops)
         ctx.session.sites.setdefault(name, (mkn, nbytes, runs))
+        ctx.session.kinds.setdefault(name, kind)
         if name not in ctx.session.order:
             ctx.session.order.append(name)
         return Format.FLOAT32
@@ -399,13 +425,32 @@ class SensorRule(SiteRule):
 
     def emit_site(self, it, eqn, params, vals, name, fmt):
         ctx = it.extension
-        dims = dot_dimension_numbers(params)
         probe = ctx.probe()
+        kind = ctx.session.kinds.get(name, "dense")
+        widens = scaled_in_float32(it, eqn)
+        if kind != "dense":
+            formats = tuple(f for f in self.formats if f in KINDS[kind])
+            scale = _fold_scale(it, eqn) if widens else 1.0
+            tap = op_tap(
+                eqn.primitive,
+                params,
+                it.dtype,
+                self.loss_scale,
+                widens,
+                formats,
+                scale,
+                kind,
+            )
+            if probe is None:
+                probe = TapStats.zeros()  # only counting: the forward's value
+            else:
+                it.note(f"site {name}: measured")
+            return [tap(*vals, probe)]
+        dims = dot_dimension_numbers(params)
         x, w = vals
         if probe is None:
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
-        widens = scaled_in_float32(it, eqn)
         tap = _tap(
             params, dims, it.dtype, self.loss_scale, widens, self.formats, self.rows
         )
