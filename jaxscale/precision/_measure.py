@@ -16,6 +16,9 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from jaxscale._cost import DeviceCost
 from jaxscale._speed import Format, site_seconds
 
@@ -25,6 +28,7 @@ __all__ = [
     "PRECISION",
     "SiteMeasure",
     "kind_formats",
+    "measured_formats",
     "half_ratio",
     "in_order",
     "number",
@@ -51,6 +55,19 @@ KINDS = {
     "batched": (Format.FLOAT32, Format.HALF_WIDE, Format.HALF),
     "conv": (Format.FLOAT32, Format.HALF),
 }
+
+
+def measured_formats(
+    kind: str, dtype: Any, formats: Iterable[Format]
+) -> tuple[Format, ...]:
+    """Those of ``formats`` the sensor measures at a site of ``kind`` when
+    autocast runs in ``dtype``: the kind's, but a float32 score (``HALF_WIDE``
+    at a batched site) under bfloat16, whose 16-bit scores have float32's range
+    (the range rule keeps them; XLA:CPU of jax 0.7 cannot run that product)."""
+    out = tuple(f for f in formats if f in KINDS[kind])
+    if kind == "batched" and np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        out = tuple(f for f in out if f is not Format.HALF_WIDE)
+    return out
 
 
 def kind_formats(kind: str) -> str:

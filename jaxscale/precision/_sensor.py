@@ -18,7 +18,13 @@ from jaxscale._distributed import differing_processes, from_every_process
 from jaxscale._speed import Format
 from jaxscale.internal import autocast, check_dtype
 from jaxscale.precision._budget import NoiseBudget
-from jaxscale.precision._measure import KINDS, PRECISION, SiteMeasure, number
+from jaxscale.precision._measure import (
+    KINDS,
+    PRECISION,
+    SiteMeasure,
+    measured_formats,
+    number,
+)
 from jaxscale.precision._plan import Plan
 from jaxscale.precision._solve import solve
 from jaxscale.precision._tap import (
@@ -315,9 +321,8 @@ class Sensor:
 
     def _formats_at(self, name: str) -> tuple[Format, ...]:
         """The formats measured at site ``name``: those its kind runs in."""
-        return tuple(
-            f for f in self.formats if f in KINDS[self._kinds.get(name, "dense")]
-        )
+        kind = self._kinds.get(name, "dense")
+        return measured_formats(kind, self.dtype, self.formats)
 
     def noise_problem(self) -> str | None:
         """Why the batches measured give no noise figures (``None``: they do).

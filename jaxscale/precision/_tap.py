@@ -56,7 +56,7 @@ from jaxscale._scope import Scope
 from jaxscale._speed import Format
 from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
 from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
-from jaxscale.precision._measure import KINDS, PRECISION
+from jaxscale.precision._measure import PRECISION, measured_formats
 from jaxscale.precision._optap import op_tap
 from jaxscale.precision._sites import ProbeContext, SiteContext
 
@@ -429,7 +429,7 @@ class SensorRule(SiteRule):
         kind = ctx.session.kinds.get(name, "dense")
         widens = scaled_in_float32(it, eqn)
         if kind != "dense":
-            formats = tuple(f for f in self.formats if f in KINDS[kind])
+            formats = measured_formats(kind, it.dtype, self.formats)
             scale = _fold_scale(it, eqn) if widens else 1.0
             tap = op_tap(
                 eqn.primitive,
