@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from jaxscale._autocast import attention
 from jaxscale._autocast.interp import Interpreter, Unrewritable
@@ -371,21 +372,27 @@ def _shard_map(it: Interpreter, eqn: Any, vals: list[Any], infos: list[Info]) ->
     if parts is None or shard_map is None:
         return None
 
+    # Values an extension threads cannot enter a shard_map as a closure: they
+    # enter as replicated inputs where the extension says so (a sensor's
+    # probes, whose cotangents are then summed over the devices), or the body
+    # runs without the extension (float8's delayed state: 16 bits there).
+    inner = it.ext.manual()
+    n_extra = len(inner.xs)
+
     def body(*xs: Any) -> tuple[Any, ...]:
-        # Values an extension threads cannot enter a shard_map as a closure
-        # (float8's delayed state: its matmuls run in 16 bits there).
-        with it.ext.opaque():
-            return tuple(it.eval_closed(parts.body, xs, infos)[0])
+        xs, extra = xs[: len(xs) - n_extra], xs[len(xs) - n_extra :]
+        with inner.body(extra):
+            return tuple(it.eval_closed(parts.body, list(xs), infos)[0])
 
     fn = shard_map(
         body,
         mesh=parts.mesh,
-        in_specs=parts.in_specs,
+        in_specs=(*parts.in_specs, *[PartitionSpec()] * n_extra),
         out_specs=parts.out_specs,
         axis_names=parts.axes,
         check_vma=parts.check_vma,
     )
-    outs = fn(*vals)
+    outs = fn(*vals, *inner.xs)
     return list(outs), _default_infos(outs)
 
 

@@ -117,6 +117,9 @@ class Extension:
     - ``opaque()``: a scope for a sub-computation whose schema has no place for
       values the extension threads (``shard_map``, the schema-free rewrite);
     - ``loop(length)``: a :class:`Loop` for one ``scan``;
+    - ``manual()``: a :class:`Loop` for one ``shard_map`` body: its ``xs``
+      enter the body replicated (their cotangents summed over the devices),
+      and its scope is the body's (default: none, under ``opaque()``);
     - ``fuses(chain)``: whether a written-out attention
       (:class:`jaxscale._autocast.fusion.Chain`) is taken as one chain,
       evaluated at its end (default: no); ``skipped(eqn)`` is then called for
@@ -145,6 +148,19 @@ class Extension:
 
     def loop(self, length: int) -> Loop:
         return Loop()
+
+    def manual(self) -> Loop:
+        return _Opaque(self)
+
+
+class _Opaque(Loop):
+    """:meth:`Extension.manual`'s default: no inputs, the body opaque."""
+
+    def __init__(self, ext: Extension):
+        self.ext = ext
+
+    def body(self, extra: Sequence[Any]) -> Any:
+        return self.ext.opaque()
 
 
 NO_EXTENSION = Extension()

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale._jax_private import dot_dimension_numbers
+from jaxscale._jax_private import dot_dimension_numbers, manual_axes, mark_varying
 from jaxscale._probe import spread, stack, unstack
 from jaxscale.internal import Extension, Loop, dot_sizes, dtype_of, is_castable
 from jaxscale.precision._measure import KINDS
@@ -81,6 +81,34 @@ class _SiteLoop(Loop):
         finally:
             ctx.loops.pop()
             ctx.leave_loop(saved)
+
+
+class _SiteManual(Loop):
+    """:meth:`SiteContext.manual`: a ``shard_map`` body, whose sites are sites
+    like any other (named by their name stack, at the body's per-device
+    shapes). An extension that threads per-site values (the sensor's probes)
+    passes them in replicated, marked varying over the manual axes inside, so
+    that each device's measurement is summed over the devices by the
+    transpose: the whole batch's sums, as without the ``shard_map``."""
+
+    def __init__(self, ctx: SiteContext):
+        self.ctx, self.first = ctx, len(ctx.seen)
+        leaves, self.tree = jax.tree.flatten(ctx.loop_inputs(self.first, None))
+        self.xs = tuple(leaves)
+
+    @contextlib.contextmanager
+    def body(self, extra: Sequence[Any]) -> Iterator[None]:
+        inputs = None
+        if extra:
+            axes, checked = manual_axes()
+            if checked and axes:
+                extra = [mark_varying(x, axes) for x in extra]
+            inputs = jax.tree.unflatten(self.tree, list(extra))
+        saved = self.ctx.enter_loop(self.first, inputs, per_iteration=False)
+        try:
+            yield
+        finally:
+            self.ctx.leave_loop(saved)
 
 
 class SiteContext(Extension):
@@ -159,19 +187,25 @@ class SiteContext(Extension):
     def opaque(self) -> Any:
         return self.suspended()
 
+    def manual(self) -> Loop:
+        if self.paused:
+            return super().manual()
+        return _SiteManual(self)
+
     def loop(self, length: int) -> Loop:
         return _SiteLoop(self, length)
 
-    def loop_inputs(self, first: int, length: int) -> Any:
+    def loop_inputs(self, first: int, length: int | None) -> Any:
         """Per-iteration inputs of a loop entered after ``first`` sites (a
         pytree of arrays stacked along a leading axis of ``length``; ``None``:
-        none)."""
+        none), or of a ``shard_map`` body (``length`` ``None``: not stacked)."""
         return None
 
-    def enter_loop(self, first: int, inputs: Any) -> Any:
+    def enter_loop(self, first: int, inputs: Any, per_iteration: bool = True) -> Any:
         """Enters one trace of a loop's body, given this iteration's slice of
-        :meth:`loop_inputs` (``None`` if none); returns what
-        :meth:`leave_loop` restores."""
+        :meth:`loop_inputs` (``None`` if none; ``per_iteration=False``: a
+        ``shard_map`` body's, not stacked); returns what :meth:`leave_loop`
+        restores."""
         return None
 
     def leave_loop(self, saved: Any) -> None:
@@ -198,12 +232,15 @@ class ProbeContext(SiteContext):
         probes = self.session.probes
         if probes is None or first >= len(probes):
             return None
+        if length is None:
+            return list(probes[first:])
         return spread(stack(probes[first:]), length)
 
-    def enter_loop(self, first, inputs):
+    def enter_loop(self, first, inputs, per_iteration=True):
         saved = self.session.probes
         if inputs is not None:
-            self.session.probes = [*saved[:first], *unstack(inputs)]
+            inner = unstack(inputs) if per_iteration else list(inputs)
+            self.session.probes = [*saved[:first], *inner]
         return saved
 
     def leave_loop(self, saved):
