@@ -65,7 +65,8 @@ __all__ = [
     "CustomJvpParts", "CustomVjpParts", "HIGHER_ORDER_NAMES", "RematParts",
     "ScanParts", "ShardMapParts", "WhileParts", "bind", "binding_at",
     "branch_platforms", "broadcast_dimensions", "call_body", "call_like_body",
-    "close", "combiner", "cond_branches", "construct_of", "convert_target",
+    "close", "combiner", "cond_branches", "construct_of", "conv_dimension_numbers",
+    "convert_target",
     "convert_weak", "ct_aval", "custom_jvp_parts", "custom_vjp_parts",
     "dot_dimension_numbers", "dot_precision", "enclosing_trace", "eqn_context",
     "integer_pow_exponent", "jit_body", "jit_name", "manual_axes", "mark_varying",
@@ -561,6 +562,12 @@ def dot_dimension_numbers(params: Mapping[str, Any]) -> Any:
     """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` of a
     ``dot_general``."""
     return params["dimension_numbers"]
+
+
+def conv_dimension_numbers(params: Mapping[str, Any]) -> Any:
+    """``(lhs_spec, rhs_spec, out_spec)`` of a ``conv_general_dilated``: each
+    the axes of batch (or output features), features, then spatial."""
+    return tuple(params["dimension_numbers"])
 
 
 def preferred_element_type(params: Mapping[str, Any]) -> Any:

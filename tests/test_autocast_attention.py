@@ -375,3 +375,33 @@ def test_an_additive_mask_bias_is_saturated_not_infinite():
     ref = jax.jit(f)(q, k, v, bias)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, atol=0.02 * float(np.abs(ref).max()))
+
+
+def test_a_float8_recipe_runs_jax_nn_attention_and_its_projections():
+    """A float8 recipe's context answers every interpreter hook: the
+    projections in float8, ``jax.nn.dot_product_attention`` as without one
+    (its batched products are no float8 sites)."""
+
+    def f(p, x):
+        q, k, v = ((x @ p[n]).reshape(2, 16, 4, 16) for n in ("wq", "wk", "wv"))
+        return jnp.mean(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    p = {
+        n: jax.random.normal(k, (64, 64)) / 8
+        for n, k in zip(("wq", "wk", "wv"), keys[:3], strict=True)
+    }
+    x = jax.random.normal(keys[3], (2, 16, 64))
+    recipe = jxs.float8.CurrentScaling(min_dim=0)
+    run = jxs.autocast(f, jnp.float16, float8=recipe)
+    with jax.numpy_dtype_promotion("strict"):
+        grads = jax.jit(jax.grad(run))(p, x)
+        traced = jax.make_jaxpr(run)(p, x)
+    eights = {
+        str(v.aval.dtype)
+        for e in all_eqns(traced.jaxpr)
+        if e.primitive.name == "dot_general"
+        for v in e.invars
+    }
+    assert any("float8" in d for d in eights), eights
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads.values())

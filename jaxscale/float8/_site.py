@@ -163,6 +163,18 @@ class Context:
         to see (as before extensions could let a chain fuse)."""
         return False
 
+    def may_fuse(self, eqns: Any) -> bool:
+        """``jax.nn.dot_product_attention`` may run as cuDNN's fused kernel:
+        its batched products are no float8 sites."""
+        return True
+
+    def skipped(self, eqn: Any) -> None:
+        """Never called: no chain is taken whole (:meth:`fuses`)."""
+
+    def manual(self) -> _Manual:
+        """A ``shard_map`` body: no state enters it, and it is :meth:`opaque`."""
+        return _Manual(self)
+
     def loop(self, length: int) -> _Loop:
         """A ``scan`` of ``length`` iterations: the state of the sites met from
         here on enters once per iteration (its transpose, the new history, is a
@@ -251,6 +263,18 @@ def using_state(ctx: Context) -> Any:
 def current_context() -> Context | None:
     """The float8 :class:`Context` in scope, or ``None``."""
     return STATE_SCOPE.current()
+
+
+class _Manual:
+    """:meth:`Context.manual`: a ``shard_map`` body, under :meth:`Context.opaque`."""
+
+    xs: tuple[Any, ...] = ()
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def body(self, extra: Sequence[Any]) -> Any:
+        return self.ctx.opaque()
 
 
 class _Loop:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._jax_private import bind
+from jaxscale._jax_private import bind, conv_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.internal import wide_product
@@ -110,7 +110,7 @@ def op_tap(
         dx, dw = vjp(g32)
         noise = [jnp.zeros((), _F32), 0.0]
         if kind == "conv":
-            lhs, _, out = params["dimension_numbers"]
+            lhs, _, out = conv_dimension_numbers(params)
             n = x.shape[lhs[0]]
             if n >= 2:
                 x1, g1, h = _halves(x32, g32, lhs[0], out[0])

@@ -221,7 +221,7 @@ class Sensor:
         if not session.order:
             raise ValueError(
                 "`fun` has no site (a `dot_general` or a `conv_general_dilated`, "
-                "outside custom-derivative rules and `shard_map`): there is "
+                "outside custom-derivative rules): there is "
                 "nothing to plan."
             )
         self._sites, self._order = session.sites, session.order

@@ -2,8 +2,9 @@
 names, for the three stages that meet them (the sensor, a plan, the monitor).
 
 A *site* is a product on two floating operands met while an autocast region is
-evaluated (outside custom-derivative rules and ``shard_map`` bodies, where a
-plan does not reach), of one of three kinds (:data:`KINDS`): ``"dense"``, a
+evaluated (outside custom-derivative rules, whose backward is the user's; in a
+``shard_map`` body at its per-device shapes: :class:`_SiteManual`), of one of
+three kinds (:data:`KINDS`): ``"dense"``, a
 ``dot_general`` without batch dimensions; ``"batched"``, one with batch
 dimensions whose operands are both activations (attention's score and value
 products); ``"conv"``, a ``conv_general_dilated``. Sites are named
@@ -32,7 +33,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale._jax_private import dot_dimension_numbers, manual_axes, mark_varying
+from jaxscale._jax_private import (
+    conv_dimension_numbers,
+    dot_dimension_numbers,
+    manual_axes,
+    mark_varying,
+)
 from jaxscale._probe import spread, stack, unstack
 from jaxscale.internal import Extension, Loop, dot_sizes, dtype_of, is_castable
 from jaxscale.precision._measure import KINDS
@@ -297,7 +303,7 @@ def site_kind(
 
 def conv_sizes(params: Any, w: tuple, out: tuple) -> tuple[int, int, int]:
     """A convolution's equivalent GEMM ``(m, k, n)`` (:func:`site_kind`)."""
-    _, rhs, spec = params["dimension_numbers"]
+    _, rhs, spec = conv_dimension_numbers(params)
     m = out[spec[0]] * math.prod(out[d] for d in spec[2:])
     k = w[rhs[1]] * math.prod(w[d] for d in rhs[2:])
     return int(m), int(k), int(w[rhs[0]])
