@@ -25,10 +25,13 @@ No GPU is needed or used: the times are the speed model's, the noise the
 sensor's on the CPU. A small calibration batch has a large gradient noise,
 so its noise budget admits more than a training batch's would.
 
-Run it (d 1024 and 4096, 2 layers; about 10 minutes on a 2-core CPU)::
+Run it as recorded in docs/measurements.md (2 and 3 minutes on a 2-core CPU;
+d 4096 at 2 layers and vocabulary 32768 took over 14 GB, so 1 layer, 8192)::
 
-    python benchmarks/precision_width.py --json precision_width.json
-    python benchmarks/precision_width.py --quick     # tiny, seconds (tests)
+    python benchmarks/precision_width.py --dims 1024 --json precision_width_1024.json
+    python benchmarks/precision_width.py --dims 4096 --layers 1 --vocab 8192 \
+        --json precision_width_4096.json
+    python benchmarks/precision_width.py --quick     # tiny (tests)
 """
 
 from __future__ import annotations

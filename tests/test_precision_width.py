@@ -85,3 +85,26 @@ def test_quick_run_prints_the_tables(tmp_path, capsys):
     assert res["rows"]["bf16"]["ratio"] == pytest.approx(1.0)
     assert res["spent"] <= res["budget"]
     assert {s["kind"] for s in res["sites"]} == {"dense", "batched"}
+
+
+def test_the_measurements_tables_are_the_recorded_runs():
+    """docs/measurements.md ("Precision at width") quotes the tables that the
+    recorded JSON files give."""
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "measurements.md").read_text()
+    static = root / "docs" / "_static"
+    results = {}
+    for d in (1024, 4096):
+        doc = json.loads((static / f"precision_width_{d}.json").read_text())
+        results.update(doc["results"])
+    tables = [bench.rows_table(results, 64), bench.sites_table(results["4096"], 64)]
+    spec = importlib.util.spec_from_file_location(
+        "precision_char", root / "examples" / "precision_char.py"
+    )
+    char = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(char)
+    run = json.loads((static / "precision_char_1024.json").read_text())
+    tables.append(char.markdown_table(run["summary"]))
+    for table in tables:
+        for line in table.splitlines():
+            assert line in docs, line
