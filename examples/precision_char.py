@@ -24,8 +24,8 @@ picks some):
 8. ``plan``: ``jxs.precision.Sensor(loss, jnp.bfloat16)`` on ``--calibration``
    batches at the seed's initial parameters, then ``.plan(cost="H100",
    budget="16-bit")`` (the budget the recorded runs used; the default is now
-   the noise budget), run with ``jxs.autocast(loss,
-   jnp.bfloat16, plan=plan)``;
+   the noise budget: ``--plan-budget noise --plan-cost H200``), run with
+   ``jxs.autocast(loss, jnp.bfloat16, plan=plan)``;
 9. a check of the sensor that does not use the speed model: float8 everywhere
    except the ``k`` sites with the highest float8 score, kept bfloat16
    (``keep-top1``, ``keep-top2``), against keeping the ``k`` lowest-ranked
@@ -40,7 +40,8 @@ twice the bf16 seeds' spread of fp32 (``|paired mean gap to fp32| <= 2 sd``,
 the sd of the bf16 runs over the seeds, as ``float8_char.py``'s ``SPREAD``),
 and the speed model's predicted time of a step's matmuls in the row's formats
 over the same in 16 bits, for an H100 and an H200 (the speed model,
-``SiteMeasure.seconds``, at the model's own shapes). On a CPU float8 is
+``SiteMeasure.seconds``, at the model's own shapes, or with ``--price-tokens
+T`` at a step of ``T`` tokens, where the plan is also solved). On a CPU float8 is
 emulated: the losses are the point, not the wall clock. ``--json PATH``
 writes every number.
 
@@ -52,6 +53,7 @@ Run it (width 64, about 25 minutes on a 2-core CPU)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -196,6 +198,14 @@ def speed_ratio(formats: dict[str, Format], measures, kind: str) -> float:
     return t / h
 
 
+def at_tokens(measures, tokens: int | None) -> list:
+    """``measures`` priced at a step of ``tokens`` rows (each site's ``m``; its
+    scores stay the calibration batch's); ``None``: as measured."""
+    if tokens is None:
+        return list(measures)
+    return [dataclasses.replace(m, shape=(tokens, *m.shape[1:])) for m in measures]
+
+
 def objective(name: str, loss_fn, formats: dict[str, Format] | None, measures=()):
     """Row ``name``'s loss of ``(params, x, y)``."""
     if name == "fp32":
@@ -336,6 +346,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--calibration", type=int, default=4, help="sensor batches per seed"
     )
     parser.add_argument(
+        "--plan-budget",
+        default="16-bit",
+        help="the plan row's budget: 16-bit (the recorded runs') or noise",
+    )
+    parser.add_argument(
+        "--plan-cost", default="H100", choices=DEVICES, help="the plan row's device"
+    )
+    parser.add_argument(
+        "--price-tokens",
+        type=int,
+        default=None,
+        help="plan and price each site at a step of this many tokens",
+    )
+    parser.add_argument(
         "--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which rows"
     )
     parser.add_argument("--json", default=None, help="write the results here")
@@ -424,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         # The dense sites: attention's batched products run as autocast runs
         # them (a plan that names no batched site leaves them so).
         measures = [m for m in sensor.measures() if m.kind == "dense"]
-        plan = jxs.precision.solve(measures, cost="H100", budget="16-bit")
+        priced = at_tokens(measures, cfg.price_tokens)
+        plan = jxs.precision.solve(priced, cost=cfg.plan_cost, budget=cfg.plan_budget)
         plan = plan.with_dtype(sensor.dtype, sensor.loss_scale)
         calib_s = time.perf_counter() - t0
         labels = site_labels([m.site for m in measures], cfg.layers)
@@ -433,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
             f"({calib_s:.1f} s); float8 score per site, highest first:"
         )
         print("  " + ", ".join(f"{labels[s]} {v:.3g}" for s, v in ranking(measures)))
-        print(f"seed {seed}: the plan (cost='H100'):\n{plan}", flush=True)
+        print(f"seed {seed}: the plan (cost={cfg.plan_cost!r}):\n{plan}", flush=True)
         formats = {n: row_formats(n, measures, plan, seed) for n in cfg.rows}
         per_seed[seed] = {
             "calibration_seconds": calib_s,
@@ -459,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for name in cfg.rows:
             fm = formats[name]
-            ratios[name, seed] = {k: speed_ratio(fm, measures, k) for k in DEVICES}
+            ratios[name, seed] = {k: speed_ratio(fm, priced, k) for k in DEVICES}
             r = f8.train(name, seed, fns_of(name, fm, measures), eval32, data, val, cfg)
             expected = sum(f is Format.FLOAT8 for f in fm.values())
             if name != "fp32" and r["float8_sites"] != expected:
