@@ -325,6 +325,18 @@ def describe(formats: dict[str, Format], labels: dict[str, str]) -> str:
     return "float8 except " + ", ".join(rest)
 
 
+def _budget(text: str) -> str | float:
+    """``--plan-budget``: ``16-bit``, ``noise`` or a number."""
+    if text in ("16-bit", "noise"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 16-bit, noise or a number, got {text!r}"
+        ) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """float8_char.py's command line, with ``--rows`` and ``--calibration``."""
     base = f8.parse_args([])  # its defaults are ours
@@ -347,8 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--plan-budget",
+        type=_budget,
         default="16-bit",
-        help="the plan row's budget: 16-bit (the recorded runs') or noise",
+        help="the plan row's budget: 16-bit (the recorded runs'), noise, or a number",
     )
     parser.add_argument(
         "--plan-cost", default="H100", choices=DEVICES, help="the plan row's device"
