@@ -21,7 +21,7 @@ declares every field ``"sum"``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -37,7 +37,7 @@ def combine_of(kind: type) -> dict[str, str]:
     """The declared combine of each field of probe kind ``kind``, checked."""
     rule = getattr(kind, "COMBINE", None)
     fields = getattr(kind, "_fields", None)
-    if fields is None or not isinstance(rule, dict) or set(rule) != set(fields):
+    if fields is None or not isinstance(rule, Mapping) or set(rule) != set(fields):
         raise TypeError(
             f"a probe kind must be a NamedTuple with a `COMBINE` entry per field, "
             f"got {kind!r}."

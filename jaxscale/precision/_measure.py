@@ -50,11 +50,13 @@ FORMATS = ", ".join(f"Format.{f.name}" for f in PRECISION)  # for messages
 # format), one with batch dimensions on two activations (attention's score and
 # value products: 16 bits, 16 bits with a float32 result, float32) and a
 # ``conv_general_dilated`` (16 bits or float32: no float8 convolution).
-KINDS = {
-    "dense": PRECISION,
-    "batched": (Format.FLOAT32, Format.HALF_WIDE, Format.HALF),
-    "conv": (Format.FLOAT32, Format.HALF),
-}
+KINDS = MappingProxyType(
+    {
+        "dense": PRECISION,
+        "batched": (Format.FLOAT32, Format.HALF_WIDE, Format.HALF),
+        "conv": (Format.FLOAT32, Format.HALF),
+    }
+)
 
 
 def measured_formats(

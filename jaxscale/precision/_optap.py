@@ -30,6 +30,7 @@ from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.internal import wide_product
 from jaxscale.precision._measure import PRECISION
+from jaxscale.precision._stats import FIELDS, TapStats
 
 __all__ = ["op_tap"]
 
@@ -87,8 +88,6 @@ def op_tap(
     ``widens``: autocast's 16-bit product returns float32 there (the scale
     rule); ``scale``: the magnitude of the scale it then takes, by which
     ``amax`` is multiplied."""
-    from jaxscale.precision._tap import FIELDS, TapStats
-
     highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     ref_params = dict(_with_out(params, _F32), precision=highest)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,6 @@ from jax import lax
 
 from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
-from jaxscale._probe import zeros
 from jaxscale._scope import Scope
 from jaxscale._speed import Format
 from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
@@ -59,67 +58,12 @@ from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION, measured_formats
 from jaxscale.precision._optap import op_tap
 from jaxscale.precision._sites import ProbeContext, SiteContext
+from jaxscale.precision._stats import FIELDS, REFERENCE, TapStats
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "TapStats"]
 
 _F32 = np.dtype("float32")
-# Per format, in PRECISION order; then the reference's own sums.
-FIELDS = (
-    "linear",  # sum(g * dy): the loss change, to first order
-    "fisher",  # sum((g * dy)**2)
-    "dx",  # sum of squared errors of g w^T
-    "dw",  # sum of squared errors of x^T g
-    "overflow",  # outputs non-finite where the reference is finite
-    "range",  # operands beyond the format's range
-    "grad_overflow",  # scaled gradients or backward products non-finite
-    "flush",  # nonzero gradients flushed to zero once scaled and cast
-)
-REFERENCE = (
-    "dx_ref",  # sum of squares of g w^T
-    "dw_ref",  # sum of squares of x^T g
-    "outputs",  # elements of the output (and of its gradient)
-    "grads",  # nonzero elements of the gradient
-    "inputs",  # elements of both operands
-    "grad_beyond",  # gradient elements beyond the 16-bit dtype's range unscaled
-    "noise",  # h (N - h) |dw1 / h - dw2 / (N - h)|**2: the weight gradient's noise
-    "halves",  # 1 where the rows split in two (N >= 2), else 0: noise measured
-    "amax",  # the output's largest magnitude (after the scale rule's scale)
-)
 SESSION = Scope("precision sensor")
-
-
-class TapStats(NamedTuple):
-    """One site's probe (and its cotangent): per format in ``PRECISION``
-    order, ``f32[len(PRECISION)]``, the :data:`FIELDS`; then the reference's
-    own sums, ``f32[]`` each, the :data:`REFERENCE`. Every field is a sum but
-    ``amax``, a maximum."""
-
-    linear: Any
-    fisher: Any
-    dx: Any
-    dw: Any
-    overflow: Any
-    range: Any
-    grad_overflow: Any
-    flush: Any
-    dx_ref: Any
-    dw_ref: Any
-    outputs: Any
-    grads: Any
-    inputs: Any
-    grad_beyond: Any
-    noise: Any
-    halves: Any
-    amax: Any
-
-    @classmethod
-    def zeros(cls) -> TapStats:
-        """The zero probe."""
-        return zeros(cls, **dict.fromkeys(FIELDS, (len(PRECISION),)))
-
-
-TapStats.COMBINE = {**dict.fromkeys(TapStats._fields, "sum"), "amax": "max"}
-assert TapStats._fields == FIELDS + REFERENCE  # the layout the docs name
 
 
 class Session:
