@@ -30,19 +30,13 @@ from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.internal import wide_product
 from jaxscale.precision._measure import PRECISION
-from jaxscale.precision._stats import FIELDS, TapStats
+from jaxscale.precision._stats import FIELDS, TapStats, halves_noise
+from jaxscale.precision._stats import count as _count
+from jaxscale.precision._stats import sq as _sq
 
 __all__ = ["op_tap"]
 
 _F32 = np.dtype("float32")
-
-
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask.astype(_F32))
-
-
-def _sq(d) -> jax.Array:
-    return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
 
 
 def _beyond(x, dtype: np.dtype) -> jax.Array:
@@ -115,8 +109,7 @@ def op_tap(
                 x1, g1, h = _halves(x32, g32, lhs[0], out[0])
                 _, vjp1 = jax.vjp(lambda b: reference(x1, b), w32)
                 (dw1,) = vjp1(g1)
-                d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (n - h))
-                noise = [float(h * (n - h)) * _sq(d), 1.0]
+                noise = halves_noise(dw, dw1, n, h)
         per = []
         for f in PRECISION:
             if f not in formats:

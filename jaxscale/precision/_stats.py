@@ -7,10 +7,14 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxscale._probe import zeros
 from jaxscale.precision._measure import PRECISION
 
-__all__ = ["FIELDS", "REFERENCE", "TapStats"]
+__all__ = ["FIELDS", "REFERENCE", "TapStats", "count", "halves_noise", "sq"]
 
 # Per format, in PRECISION order; then the reference's own sums.
 FIELDS = (
@@ -70,3 +74,21 @@ TapStats.COMBINE = MappingProxyType(
     {**dict.fromkeys(TapStats._fields, "sum"), "amax": "max"}
 )
 assert TapStats._fields == FIELDS + REFERENCE  # the layout the docs name
+
+
+def count(mask) -> jax.Array:
+    """The true elements of ``mask``, as a float32 sum."""
+    return jnp.sum(mask.astype(np.float32))
+
+
+def sq(d) -> jax.Array:
+    """The sum of squares of ``d``'s finite elements."""
+    return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
+
+
+def halves_noise(dw, dw1, n: int, h: int) -> list[Any]:
+    """``[noise, halves]`` of a weight gradient ``dw`` over ``n`` rows (or
+    examples) whose first ``h`` give ``dw1``: ``h (n - h) |dw1 / h - (dw -
+    dw1) / (n - h)|**2``, an estimate of ``tr Var(dw)``, and 1 (measured)."""
+    d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (n - h))
+    return [float(h * (n - h)) * sq(d), 1.0]

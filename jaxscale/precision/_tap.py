@@ -58,7 +58,9 @@ from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION, measured_formats
 from jaxscale.precision._optap import op_tap
 from jaxscale.precision._sites import ProbeContext, SiteContext
-from jaxscale.precision._stats import FIELDS, REFERENCE, TapStats
+from jaxscale.precision._stats import FIELDS, REFERENCE, TapStats, halves_noise
+from jaxscale.precision._stats import count as _count
+from jaxscale.precision._stats import sq as _sq
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "TapStats"]
 
@@ -128,18 +130,10 @@ def _wide(prim, params, x, w):
     return wide_product(prim, params, x, w)
 
 
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask.astype(_F32))
-
-
 def _beyond(x, dtype: np.dtype) -> jax.Array:
     """Elements of float32 ``x`` that ``dtype`` cannot hold (non-finite once
     cast where finite before)."""
     return _count(jnp.isfinite(x) & ~jnp.isfinite(x.astype(dtype)))
-
-
-def _sq(d) -> jax.Array:
-    return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
 
 
 class _Rows:
@@ -295,8 +289,7 @@ def _tap(
         if rows >= 2:  # the first half's weight gradient: the noise (module doc)
             h = rows // 2
             dw1 = _weight_grad(x2[:h], w32, g2[:h], lay.dims)
-            d = dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (rows - h))
-            noise = [float(h * (rows - h)) * _sq(d), 1.0]
+            noise = halves_noise(dw, dw1, rows, h)
         sub = _subset(rows, sample)
         full = _full_counts(x2, w32, y2, g2, dx2, dtype, loss_scale)
         matrix = {**params, "dimension_numbers": lay.dims}
