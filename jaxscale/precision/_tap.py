@@ -58,9 +58,18 @@ from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION, measured_formats
 from jaxscale.precision._optap import op_tap
 from jaxscale.precision._sites import ProbeContext, SiteContext
-from jaxscale.precision._stats import FIELDS, REFERENCE, TapStats, halves_noise
-from jaxscale.precision._stats import count as _count
-from jaxscale.precision._stats import sq as _sq
+from jaxscale.precision._stats import (
+    FIELDS,
+    REFERENCE,
+    Sums,
+    TapStats,
+    fields,
+    finite_sq,
+    format_terms,
+    full_terms,
+    halves_gap,
+    subset,
+)
 
 __all__ = ["FIELDS", "REFERENCE", "SESSION", "SensorRule", "Session", "TapStats"]
 
@@ -78,6 +87,9 @@ class Session:
         # per site: (m, k, n), operand bytes, runs per step; and its kind
         self.sites: dict[str, tuple[tuple[int, int, int], tuple[int, int], int]] = {}
         self.kinds: dict[str, str] = {}
+        # per site: whether each operand's gradient leaves autocast's 16-bit
+        # product in float32 (a float32 parameter's, ``gradient_dtype``)
+        self.wide: dict[str, tuple[bool, ...]] = {}
         self.order: list[str] = []
 
 
@@ -109,31 +121,28 @@ def _reference(x, w, dims):
     )
 
 
-def _product(fmt: Format, params: Any, dims: Any, dtype: np.dtype):
-    """The site's product in ``fmt``, as a function of float32 operands."""
+def _product(
+    fmt: Format, params: Any, dims: Any, dtype: np.dtype, wide: tuple[bool, bool]
+):
+    """The site's product in ``fmt``, as a function of float32 operands.
+    ``wide``: per operand, whether its gradient leaves a 16-bit product in
+    float32 (a parameter: autocast's ``gradient_dtype``), as the plan's
+    16-bit product gives it."""
     prim = lax.dot_general_p
     if fmt is Format.FLOAT32:
         return lambda x, w: bind(prim, _with_out(params, _F32), [x, w])[0]
-    if fmt is Format.HALF:
-        return lambda x, w: bind(
-            prim, _with_out(params, dtype), [x.astype(dtype), w.astype(dtype)]
-        )[0]
-    if fmt is Format.HALF_WIDE:
-        from_params = _with_out(params, _F32)
-        return lambda x, w: _wide(prim, from_params, x.astype(dtype), w.astype(dtype))
+    if fmt in (Format.HALF, Format.HALF_WIDE):
+        out = _F32 if fmt is Format.HALF_WIDE else dtype
+        low = _with_out(params, out)
+
+        def product(x, w):
+            sources = [v if s else None for v, s in zip((x, w), wide, strict=True)]
+            xl, wl = x.astype(dtype), w.astype(dtype)
+            return wide_product(prim, low, xl, wl, sources=sources)
+
+        return product
     recipe = FLOAT8_RECIPES[fmt]
     return lambda x, w: float8_dot(x, w, dims, dtype, recipe, None)
-
-
-def _wide(prim, params, x, w):
-    # The widening rule's product: float32 out, its backward in x's dtype.
-    return wide_product(prim, params, x, w)
-
-
-def _beyond(x, dtype: np.dtype) -> jax.Array:
-    """Elements of float32 ``x`` that ``dtype`` cannot hold (non-finite once
-    cast where finite before)."""
-    return _count(jnp.isfinite(x) & ~jnp.isfinite(x.astype(dtype)))
 
 
 class _Rows:
@@ -163,95 +172,16 @@ class _Rows:
         return y.reshape(self.rows, *y.shape[len(self.outer) :])
 
 
-def _subset(rows: int, sample: int | None) -> np.ndarray | None:
-    """The rows the formats are measured on: ``sample`` spread evenly over
-    ``rows`` (``None``: every row)."""
-    if sample is None or sample >= rows:
-        return None
-    return (np.arange(sample) * rows) // sample
-
-
 def _colmax(t):
     """``t``'s largest magnitude per column over its rows (NaN where a column
     holds one): a row that gives a float8 scale the whole tensor's."""
     return jnp.max(jnp.abs(t), axis=0, keepdims=True)
 
 
-def _beyond_scaled(t, scale: float, dtype: np.dtype) -> jax.Array:
-    return _beyond(t * scale, dtype) if dtype != _F32 else jnp.zeros((), _F32)
-
-
 def _weight_grad(x, w, g, dims):
     """The reference weight gradient ``x^T g`` (``w``'s shape)."""
     _, vjp = jax.vjp(lambda b: _reference(x, b, dims), w)
     return vjp(g)[0]
-
-
-def _full_counts(x, w, y, g, dx, dtype, loss_scale) -> dict:
-    """Per dtype a format's output, gradient or products may take (``dtype``,
-    float32), the counts read on every row from the reference: outputs beyond
-    it, the scaled gradient overflowing or flushing in it, input gradients
-    beyond it once scaled; and operands beyond ``dtype`` (``range``)."""
-    out = {}
-    for d in (dtype, _F32):
-        gf = (g * loss_scale).astype(d)
-        out[d] = dict(
-            overflow=_beyond(y, d) if d != _F32 else jnp.zeros((), _F32),
-            grad=_count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g)),
-            dx=_beyond_scaled(dx, loss_scale, d),
-            flush=_count((gf == 0) & (g != 0)) if d != _F32 else 0.0,
-        )
-    out["range"] = _beyond(x, dtype) + _beyond(w, dtype)
-    return out
-
-
-def _format_stats(fmt, make, x, w, y, g, dx, dw, dims, loss_scale, sub, full):
-    """``fmt``'s fields at a site of matrix rows ``x`` (:class:`_Rows`, its
-    dimension numbers ``dims``). ``sub``: the rows measured (``None``: all),
-    each field's sum over them scaled by ``rows / len(sub)``; ``full``: the
-    counts read on every row (:func:`_full_counts`), a floor under the scaled
-    ones: a range failure of the reference is never missed."""
-    rows, scale = x.shape[0], 1.0
-    xs, ws, gs, ys, dxs = x, w, g, y, dx
-    if sub is not None:
-        scale = rows / len(sub)
-        xs, gs, ys, dxs = x[sub], g[sub], y[sub], dx[sub]
-        if fmt in FLOAT8_RECIPES:  # a last row: the whole tensor's scales
-            xs = jnp.concatenate([xs, _colmax(x)])
-            gs = jnp.concatenate([gs, _colmax(g)])
-    yf, vjp = jax.vjp(make, xs, ws)
-    dxf, _ = vjp((gs * loss_scale).astype(yf.dtype))
-    if sub is None:
-        dwf = _
-    else:  # the weight gradient sums over the rows: on every row
-        _, vjp_w = jax.vjp(lambda b: make(x, b), w)
-        (dwf,) = vjp_w((g * loss_scale).astype(yf.dtype))
-    out_dtype, dx_dtype = np.dtype(yf.dtype), np.dtype(dxf.dtype)
-    n = len(sub) if sub is not None else rows
-    out, dxf = yf[:n].astype(_F32), dxf[:n].astype(_F32) / loss_scale
-    dwf = dwf.astype(_F32) / loss_scale
-    finite = jnp.isfinite(out)
-    dy = jnp.where(finite, out - ys, 0.0)
-    gdy = gs[:n] * dy
-    counts = full[out_dtype]
-    narrow = fmt is not Format.FLOAT32
-    overflow = _count(~finite & jnp.isfinite(ys))
-    dx_bad = _count(~jnp.isfinite(dxf))
-    dw_err, dw_bad = _sq(dwf - dw), _count(~jnp.isfinite(dwf))
-    return dict(
-        linear=scale * jnp.sum(gdy),
-        fisher=scale * jnp.sum(gdy**2),
-        dx=scale * _sq(dxf - dxs),
-        dw=dw_err,
-        overflow=jnp.maximum(scale * overflow, counts["overflow"]),
-        range=full["range"] if fmt in (Format.HALF, Format.HALF_WIDE) else 0.0,
-        grad_overflow=(
-            (counts["grad"] if narrow else 0.0)
-            + jnp.maximum(scale * dx_bad, full[dx_dtype]["dx"])
-            + dw_bad
-        ),
-        flush=counts["flush"],
-    )
 
 
 def _tap(
@@ -262,11 +192,14 @@ def _tap(
     widens: bool,
     formats: tuple[Format, ...],
     sample: int | None,
+    wide: tuple[bool, bool] = (False, False),
 ):
     """The site's reference product, whose backward measures ``formats`` (the
     others' fields are zeros) on ``sample`` of its rows (``None``: all).
     ``widens``: autocast's 16-bit product returns float32 there, to take a
-    scale in float32 before it is rounded (the float16 scale rule)."""
+    scale in float32 before it is rounded (the float16 scale rule); ``wide``:
+    per operand, whether autocast's 16-bit product gives its gradient in
+    float32 (a parameter's)."""
 
     @jax.custom_vjp
     def tap(x, w, probe):
@@ -284,32 +217,66 @@ def _tap(
         _, vjp = jax.vjp(lambda a: _reference(a, w32, lay.dims), x2)
         (dx2,) = vjp(g2)
         rows = lay.rows
-        dw = _weight_grad(x2, w32, g2, lay.dims)
-        noise = [jnp.zeros((), _F32), 0.0]
-        if rows >= 2:  # the first half's weight gradient: the noise (module doc)
+        sums = Sums()
+        halves = 0.0
+        if rows >= 2:  # the weight gradient in two halves: the noise (module doc)
             h = rows // 2
             dw1 = _weight_grad(x2[:h], w32, g2[:h], lay.dims)
-            noise = halves_noise(dw, dw1, rows, h)
-        sub = _subset(rows, sample)
-        full = _full_counts(x2, w32, y2, g2, dx2, dtype, loss_scale)
+            dw = dw1 + _weight_grad(x2[h:], w32, g2[h:], lay.dims)
+            gap, coef = halves_gap(dw, dw1, rows, h)
+            sums.add("noise", coef * finite_sq(gap))
+            halves = 1.0
+        else:
+            dw = _weight_grad(x2, w32, g2, lay.dims)
+        full_terms(sums, x2, w32, y2, g2, dx2, dw, dtype, loss_scale)
+        sums.add("dx_ref", finite_sq(dx2))
+        sums.add("dw_ref", finite_sq(dw))
+        sums.add("grads", g2 != 0)
+        sums.add("grad_beyond", jnp.abs(g2) > float(jnp.finfo(dtype).max))
+        sub = subset(rows, sample)
+        xs, gs, ys, dxr, dwr, n = x2, g2, y2, dx2, dw, None
+        if sub is not None:  # each format on the sample's rows (module doc)
+            xs, gs, ys, dxr, n = x2[sub], g2[sub], y2[sub], dx2[sub], len(sub)
+            dwr = _weight_grad(xs, w32, gs, lay.dims)
+        scale = rows / (n or rows)
         matrix = {**params, "dimension_numbers": lay.dims}
-        per = []
-        for f in PRECISION:
-            if f not in formats:
-                per.append(dict.fromkeys(FIELDS, 0.0))
-                continue
-            made = Format.HALF_WIDE if widens and f is Format.HALF else f
-            make = _product(made, matrix, lay.dims, dtype)
-            per.append(
-                _format_stats(
-                    f, make, x2, w32, y2, g2, dx2, dw, lay.dims, loss_scale, sub, full
-                )
+        # A sample's weight gradient is measured unrounded, the rounding of a
+        # 16-bit one (a weight that is no parameter) added from every row's.
+        measured = wide if sub is None else (wide[0], True)
+        made = {
+            f: Format.HALF_WIDE if widens and f is Format.HALF else f for f in formats
+        }
+        rounds = {
+            f: sub is not None and not wide[1] and m in (Format.HALF, Format.HALF_WIDE)
+            for f, m in made.items()
+        }
+        if any(rounds.values()):
+            rounded = (dw * loss_scale).astype(dtype).astype(_F32) / loss_scale
+            sums.add(("full", "round"), finite_sq(rounded - dw))
+        dtypes = {}
+        for f, m in made.items():
+            xf, gf = xs, gs
+            if sub is not None and f in FLOAT8_RECIPES:
+                # Two more rows give every recipe the whole tensors' scales and
+                # add exactly nothing to x^T g: x's column maxima against a
+                # zero gradient, a zero input against g's.
+                cx, cg = _colmax(x2), _colmax(g2)
+                xf = jnp.concatenate([xs, cx, jnp.zeros_like(cx)])
+                gf = jnp.concatenate([gs, jnp.zeros_like(cg), cg])
+            make = _product(m, matrix, lay.dims, dtype, measured)
+            dtypes[f] = format_terms(
+                sums, f, make, xf, w32, gf, ys, dxr, dwr, loss_scale, n
             )
-        top = float(jnp.finfo(dtype).max)
-        ref = [_sq(dx2), _sq(dw), y.size, _count(g2 != 0), x.size + w.size]
-        ref.append(_count(jnp.abs(g2) > top))
-        ref.extend(noise)
-        ref.append(jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0))
+        s = sums.reduce()
+        per = [
+            fields(s, f, dtypes[f], dtype, scale, rounds[f])
+            if f in made
+            else dict.fromkeys(FIELDS, 0.0)
+            for f in PRECISION
+        ]
+        amax = jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0)
+        ref = [s["dx_ref"], s["dw_ref"], y.size, s["grads"], x.size + w.size]
+        ref += [s["grad_beyond"], s.get("noise", 0.0), halves, amax]
         # Stacked, then named: under ``vmap`` the sizes are batched like the
         # sums and added over the examples as they are.
         probe = TapStats(
@@ -346,6 +313,13 @@ class SensorRule(SiteRule):
         runs = math.prod(ctx.loops)
         ctx.session.sites.setdefault(name, (mkn, nbytes, runs))
         ctx.session.kinds.setdefault(name, kind)
+        ctx.session.wide.setdefault(
+            name,
+            tuple(
+                bool(i.wide) and dtype_of(v) == _F32
+                for v, i in zip(vals, infos, strict=True)
+            ),
+        )
         if name not in ctx.session.order:
             ctx.session.order.append(name)
         return Format.FLOAT32
@@ -388,7 +362,15 @@ class SensorRule(SiteRule):
         if probe is None:
             return [_reference(x, w, dims)]
         it.note(f"site {name}: measured")
+        wide = ctx.session.wide.get(name, (False, False))
         tap = _tap(
-            params, dims, it.dtype, self.loss_scale, widens, self.formats, self.rows
+            params,
+            dims,
+            it.dtype,
+            self.loss_scale,
+            widens,
+            self.formats,
+            self.rows,
+            wide,
         )
         return [tap(x, w, probe)]
