@@ -25,36 +25,51 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._jax_private import bind, conv_dimension_numbers
+from jaxscale._jax_private import bind, conv_dimension_numbers, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.internal import wide_product
 from jaxscale.precision._measure import PRECISION
-from jaxscale.precision._stats import FIELDS, TapStats, halves_noise
-from jaxscale.precision._stats import count as _count
-from jaxscale.precision._stats import sq as _sq
+from jaxscale.precision._stats import (
+    FIELDS,
+    Part,
+    Sums,
+    TapStats,
+    fields,
+    finite_sq,
+    format_terms,
+    full_terms,
+    halves_gap,
+    low,
+    subset,
+)
 
-__all__ = ["op_tap"]
+__all__ = ["MIN_SLICES", "op_tap"]
 
 _F32 = np.dtype("float32")
 
 
-def _beyond(x, dtype: np.dtype) -> jax.Array:
-    if dtype == _F32:
-        return jnp.zeros((), _F32)
-    return _count(jnp.isfinite(x) & ~jnp.isfinite(x.astype(dtype)))
+# The fewest batch slices (a batched product) or examples (a convolution) each
+# format is measured on when its sample is drawn from the batch.
+MIN_SLICES = 8
 
 
-def _product(prim: Any, params: Any, fmt: Format, dtype: np.dtype):
-    """The product in ``fmt``, as a function of float32 operands."""
+def _product(prim: Any, params: Any, fmt: Format, dtype: np.dtype, wide: Any):
+    """The product in ``fmt``, as a function of float32 operands; ``wide``:
+    per operand, whether its gradient leaves autocast's 16-bit product in
+    float32 (a parameter's: a convolution's kernel)."""
     if fmt is Format.FLOAT32:
         f32 = _with_out(params, _F32)
         return lambda x, w: bind(prim, f32, [x, w])[0]
-    if fmt is Format.HALF:
-        low = _with_out(params, dtype)
-        return lambda x, w: bind(prim, low, [x.astype(dtype), w.astype(dtype)])[0]
-    wide = _with_out(params, _F32)  # HALF_WIDE
-    return lambda x, w: wide_product(prim, wide, x.astype(dtype), w.astype(dtype))
+    out_params = _with_out(params, dtype if fmt is Format.HALF else _F32)
+
+    def product(x, w):
+        pairs = tuple(zip((x, w), wide, strict=True))
+        sources = [v if s else None for v, s in pairs]
+        xl, wl = (v.astype(dtype) if s else low(v, dtype) for v, s in pairs)
+        return wide_product(prim, out_params, xl, wl, sources=sources)
+
+    return product
 
 
 def _halves(x, g, lhs_batch: int, out_batch: int):
@@ -67,6 +82,28 @@ def _halves(x, g, lhs_batch: int, out_batch: int):
     )
 
 
+def _batch_major(t, batch: tuple[int, ...]):
+    """``t`` with its ``batch`` axes flattened into a leading one, and where
+    each other axis went."""
+    others = [a for a in range(t.ndim) if a not in batch]
+    moved = jnp.transpose(t, [*batch, *others])
+    where = {a: 1 + i for i, a in enumerate(others)}
+    return moved.reshape(-1, *(t.shape[a] for a in others)), where
+
+
+def _count_of(shape, axes) -> int:
+    return int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+
+def _sample_size(units: int, rows_per_unit: int, sample: int | None) -> int | None:
+    """How many of ``units`` (slices or examples) to measure: enough for
+    ``sample`` rows, at least :data:`MIN_SLICES`; ``None``: all of them."""
+    if sample is None:
+        return None
+    k = max(MIN_SLICES, -(-sample // max(rows_per_unit, 1)))
+    return k if k < units else None
+
+
 def op_tap(
     prim: Any,
     params: Any,
@@ -76,12 +113,16 @@ def op_tap(
     formats: tuple[Format, ...],
     scale: float,
     kind: str,
+    sample: int | None = None,
+    wide: tuple[bool, bool] = (False, False),
 ):
     """The reference product of a batched or convolution site (``kind``),
-    whose backward measures ``formats`` (the others' fields are zeros);
-    ``widens``: autocast's 16-bit product returns float32 there (the scale
-    rule); ``scale``: the magnitude of the scale it then takes, by which
-    ``amax`` is multiplied."""
+    whose backward measures ``formats`` (the others' fields are zeros) on a
+    sample of the batch (the module doc; ``sample``: the rows wanted, ``None``:
+    every element); ``widens``: autocast's 16-bit product returns float32
+    there (the scale rule); ``scale``: the magnitude of the scale it then
+    takes, by which ``amax`` is multiplied; ``wide``: per operand, whether
+    autocast's 16-bit product gives its gradient in float32."""
     highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     ref_params = dict(_with_out(params, _F32), precision=highest)
 
@@ -96,12 +137,54 @@ def op_tap(
         y = reference(x, w)
         return y, (x, w, y)
 
+    def sampled(x32, w32, y, g32, dx, dw):
+        """The parts of the batch measured (:class:`Part`), the product's
+        parameters there and ``(N, sizes)`` for :func:`fields` (or ``None``,
+        the product's own parameters and ``None``: every element). A
+        convolution's examples, in two parts (its kernel gradient sums over
+        them: the error they share is estimated); a batched product's slices,
+        in one (each slice's products are its own)."""
+        if kind == "conv":
+            lhs, _, out = conv_dimension_numbers(params)
+            n = x32.shape[lhs[0]]
+            k = _sample_size(n, _count_of(y.shape, out[2:]), sample)
+            if k is None:
+                return None, params, None
+            idx = subset(n, k)
+            parts = []
+            for pick in (idx[0::2], idx[1::2]):
+                xs = jnp.take(x32, pick, axis=lhs[0])
+                gs = jnp.take(g32, pick, axis=out[0])
+                _, vjp_w = jax.vjp(lambda b, xs=xs: reference(xs, b), w32)
+                (dwr,) = vjp_w(gs)
+                ys, dxs = jnp.take(y, pick, axis=out[0]), jnp.take(dx, pick, lhs[0])
+                parts.append(Part(xs, w32, gs, ys, dxs, dwr))
+            return parts, params, (n, [len(idx[0::2]), len(idx[1::2])])
+        (lc, rc), (lb, rb) = dot_dimension_numbers(params)
+        units = _count_of(x32.shape, lb)
+        free = [a for a in range(x32.ndim) if a not in (*lb, *lc)]
+        k = _sample_size(units, _count_of(x32.shape, free), sample)
+        if k is None:
+            return None, params, None
+        idx = subset(units, k)
+        xb, xw = _batch_major(x32, lb)
+        wb, ww = _batch_major(w32, rb)
+        dims = ((tuple(xw[a] for a in lc), tuple(ww[a] for a in rc)), ((0,), (0,)))
+        lead = len(lb)
+
+        def out(t):
+            return t.reshape(-1, *t.shape[lead:])[idx]
+
+        dxs, dws = _batch_major(dx, lb)[0][idx], _batch_major(dw, rb)[0][idx]
+        part = Part(xb[idx], wb[idx], out(g32), out(y), dxs, dws)
+        return [part], {**params, "dimension_numbers": dims}, (units, [k])
+
     def bwd(res, g):
         x, w, y = res
         x32, w32, g32 = x.astype(_F32), w.astype(_F32), g.astype(_F32)
         _, vjp = jax.vjp(reference, x32, w32)
         dx, dw = vjp(g32)
-        noise = [jnp.zeros((), _F32), 0.0]
+        sums, halves = Sums(), 0.0
         if kind == "conv":
             lhs, _, out = conv_dimension_numbers(params)
             n = x.shape[lhs[0]]
@@ -109,49 +192,48 @@ def op_tap(
                 x1, g1, h = _halves(x32, g32, lhs[0], out[0])
                 _, vjp1 = jax.vjp(lambda b: reference(x1, b), w32)
                 (dw1,) = vjp1(g1)
-                noise = halves_noise(dw, dw1, n, h)
-        per = []
-        for f in PRECISION:
-            if f not in formats:
-                per.append(dict.fromkeys(FIELDS, 0.0))
-                continue
-            made = Format.HALF_WIDE if widens and f is Format.HALF else f
-            yf, vjp_f = jax.vjp(_product(prim, params, made, dtype), x32, w32)
-            gf = (g32 * loss_scale).astype(yf.dtype)
-            dxf, dwf = vjp_f(gf)
-            out_dtype = np.dtype(yf.dtype)
-            out = yf.astype(_F32)
-            dxf = dxf.astype(_F32) / loss_scale
-            dwf = dwf.astype(_F32) / loss_scale
-            finite = jnp.isfinite(out)
-            gdy = g32 * jnp.where(finite, out - y, 0.0)
-            narrow = f is not Format.FLOAT32
-            per.append(
-                dict(
-                    linear=jnp.sum(gdy),
-                    fisher=jnp.sum(gdy**2),
-                    dx=_sq(dxf - dx),
-                    dw=_sq(dwf - dw),
-                    overflow=jnp.maximum(
-                        _count(~finite & jnp.isfinite(y)), _beyond(y, out_dtype)
-                    ),
-                    range=(_beyond(x32, dtype) + _beyond(w32, dtype))
-                    if f in (Format.HALF, Format.HALF_WIDE)
-                    else 0.0,
-                    grad_overflow=(
-                        _count(~jnp.isfinite(gf.astype(_F32)) & jnp.isfinite(g32))
-                        if narrow
-                        else 0.0
-                    )
-                    + _count(~jnp.isfinite(dxf))
-                    + _count(~jnp.isfinite(dwf)),
-                    flush=_count((gf == 0) & (g32 != 0)) if narrow else 0.0,
-                )
+                gap, coef = halves_gap(dw, dw1, n, h)
+                sums.add("noise", coef * finite_sq(gap))
+                halves = 1.0
+        full_terms(sums, x32, w32, y, g32, dx, dw, dtype, loss_scale)
+        sums.add("dx_ref", finite_sq(dx))
+        sums.add("dw_ref", finite_sq(dw))
+        sums.add("grads", g32 != 0)
+        sums.add("grad_beyond", jnp.abs(g32) > float(jnp.finfo(dtype).max))
+        parts, prm, sample_of = sampled(x32, w32, y, g32, dx, dw)
+        partial = kind == "conv" and parts is not None
+        if parts is None:
+            parts = [Part(x32, w32, g32, y, dx, dw)]
+        # A sample's partial weight gradient is measured unrounded, the
+        # rounding of a 16-bit one (a kernel that is no parameter) added from
+        # the whole batch's.
+        measured = (wide[0], True) if partial else wide
+        made = {
+            f: Format.HALF_WIDE if widens and f is Format.HALF else f for f in formats
+        }
+        rounds = {
+            f: partial and not wide[1] and m is not Format.FLOAT32
+            for f, m in made.items()
+        }
+        if any(rounds.values()):
+            rounded = (dw * loss_scale).astype(dtype).astype(_F32) / loss_scale
+            sums.add(("full", "round"), finite_sq(rounded - dw))
+        dtypes = {
+            f: format_terms(
+                sums, f, _product(prim, prm, m, dtype, measured), parts, loss_scale
             )
-        top = float(jnp.finfo(dtype).max)
+            for f, m in made.items()
+        }
+        s = sums.reduce()
+        per = [
+            fields(s, f, dtypes[f], dtype, sample_of, rounds[f])
+            if f in made
+            else dict.fromkeys(FIELDS, 0.0)
+            for f in PRECISION
+        ]
         amax = jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0)
-        ref = [_sq(dx), _sq(dw), y.size, _count(g32 != 0), x.size + w.size]
-        ref += [_count(jnp.abs(g32) > top), *noise, amax * abs(scale)]
+        ref = [s["dx_ref"], s["dw_ref"], y.size, s["grads"], x.size + w.size]
+        ref += [s["grad_beyond"], s.get("noise", 0.0), halves, amax * abs(scale)]
         probe = TapStats(
             *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
             *jnp.stack([jnp.asarray(r, _F32) for r in ref]),

@@ -20,6 +20,7 @@ from jaxscale.precision._measure import PRECISION
 __all__ = [
     "FIELDS",
     "REFERENCE",
+    "Part",
     "Sums",
     "TapStats",
     "beyond",
@@ -30,6 +31,7 @@ __all__ = [
     "full_terms",
     "halves_gap",
     "halves_noise",
+    "low",
     "sq",
     "subset",
 ]
@@ -205,64 +207,136 @@ def full_terms(sums, x, w, y, g, dx, dw, dtype, loss_scale) -> None:
     sums.add(("full", "range", "w"), beyond(w, dtype))
 
 
-def format_terms(sums, fmt, make, xs, ws, gs, ys, dxr, dwr, loss_scale, n=None):
+class Part(NamedTuple):
+    """Elements a format is measured on: the operands ``x``, ``w`` and the
+    gradient ``g`` (``n``: the leading rows of ``x`` and ``g`` measured, the
+    others only giving float8 scales; ``None``: all), and the reference's
+    output ``y`` and backward products ``dx``, ``dw`` there."""
+
+    x: Any
+    w: Any
+    g: Any
+    y: Any
+    dx: Any
+    dw: Any
+    n: int | None = None
+
+
+def _widened(t):
+    """16-bit ``t`` in float32, rounded to its dtype for certain: XLA, which
+    may keep excess precision, can fold a 16-bit product's widening into the
+    product and skip the rounding that the step, which keeps the value in 16
+    bits, makes (it did on XLA:CPU for a reshaped batched product)."""
+    dt = np.dtype(t.dtype)
+    if dt == _F32:
+        return t
+    info = jnp.finfo(dt)
+    return lax.reduce_precision(t.astype(_F32), info.nexp, info.nmant)
+
+
+def low(x, dtype: np.dtype):
+    """``x`` cast to the 16-bit ``dtype``, its gradient rounded to ``dtype``
+    for certain before it is widened back (:func:`_widened`): the product's
+    16-bit cotangent, as the step keeps it."""
+
+    @jax.custom_vjp
+    def cast(v):
+        return v.astype(dtype)
+
+    def fwd(v):
+        return v.astype(dtype), None
+
+    def bwd(_, ct):
+        return (_widened(ct).astype(x.dtype),)
+
+    cast.defvjp(fwd, bwd)
+    return cast(x)
+
+
+def format_terms(sums, fmt, make, parts, loss_scale):
     """``fmt``'s elementwise terms, into ``sums``: the product ``make`` (of
-    float32 operands) differentiated at ``xs, ws`` with the gradient ``gs``
-    scaled by ``loss_scale`` and cast as the format takes it, against the
-    reference's output ``ys`` and backward products ``dxr``, ``dwr`` on the
-    same elements (``n``: the leading rows of ``xs`` and ``gs`` that are
-    measured; the others only give float8 scales). Returns the dtypes its
-    output, input gradient and weight gradient come in."""
-    yf, vjp = jax.vjp(make, xs, ws)
-    dxf, dwf = vjp((gs * loss_scale).astype(yf.dtype))
-    dtypes = (np.dtype(yf.dtype), np.dtype(dxf.dtype), np.dtype(dwf.dtype))
-    if n is not None:
-        yf, dxf, gs = yf[:n], dxf[:n], gs[:n]
-    out, dxf = yf.astype(_F32), dxf.astype(_F32) / loss_scale
-    dwf = dwf.astype(_F32) / loss_scale
-    finite = jnp.isfinite(out)
-    gdy = gs * jnp.where(finite, out - ys, 0.0)
-    sums.add((fmt, "linear"), gdy)
-    sums.add((fmt, "fisher"), gdy**2)
-    sums.add((fmt, "overflow"), ~finite & jnp.isfinite(ys))
-    sums.add((fmt, "dx"), finite_sq(dxf - dxr))
-    sums.add((fmt, "dx_bad"), ~jnp.isfinite(dxf))
-    sums.add((fmt, "dw"), finite_sq(dwf - dwr))
-    sums.add((fmt, "dw_bad"), ~jnp.isfinite(dwf))
+    float32 operands) differentiated on each of ``parts`` (:class:`Part`),
+    the gradient scaled by ``loss_scale`` and cast as the format takes it.
+    The weight gradient's error is that of the parts' sum, and, of two parts,
+    the inner product of their errors (``dw_cross``; :func:`fields`).
+    Returns the dtypes its output, input gradient and weight gradient come
+    in."""
+    errors = []
+    for i, p in enumerate(parts):
+        yf, vjp = jax.vjp(make, p.x, p.w)
+        dxf, dwf = vjp((p.g * loss_scale).astype(yf.dtype))
+        dtypes = (np.dtype(yf.dtype), np.dtype(dxf.dtype), np.dtype(dwf.dtype))
+        gs = p.g
+        if p.n is not None:
+            yf, dxf, gs = yf[: p.n], dxf[: p.n], gs[: p.n]
+        out, dxf = _widened(yf), _widened(dxf) / loss_scale
+        dwf = _widened(dwf) / loss_scale
+        finite = jnp.isfinite(out)
+        gdy = gs * jnp.where(finite, out - p.y, 0.0)
+        sums.add((fmt, "linear", i), gdy)
+        sums.add((fmt, "fisher", i), gdy**2)
+        sums.add((fmt, "overflow", i), ~finite & jnp.isfinite(p.y))
+        sums.add((fmt, "dx", i), finite_sq(dxf - p.dx))
+        sums.add((fmt, "dx_bad", i), ~jnp.isfinite(dxf))
+        sums.add((fmt, "dw_bad", i), ~jnp.isfinite(dwf))
+        errors.append(jnp.where(jnp.isfinite(dwf), dwf - p.dw, 0.0))
+    sums.add((fmt, "dw"), finite_sq(sum(errors)))
+    if len(errors) == 2:
+        sums.add((fmt, "dw_cross"), errors[0] * errors[1])
     return dtypes
 
 
-def fields(s, fmt, dtypes, dtype, scale, rounds) -> dict:
-    """``fmt``'s probe fields from the reduced sums ``s``: the sample's sums
-    scaled by ``scale``, plus, where the format's weight gradient is rounded
-    to 16 bits (``rounds``: a 16-bit product whose weight is no parameter),
-    that rounding, read on every row (``("full", "round")``); the counts read
-    on every row are a floor under the estimated ones: a range failure of the
-    reference is never missed."""
+def fields(s, fmt, dtypes, dtype, sample, rounds) -> dict:
+    """``fmt``'s probe fields from the reduced sums ``s`` (:func:`format_terms`,
+    :func:`full_terms`). ``sample``: ``(N, sizes)``, the rows (or examples) of
+    the batch and those of each part measured (``None``: every row, one
+    part): the forward's and the input gradient's sums over the rows are
+    scaled by ``N / s`` (``s`` rows measured). The weight gradient sums over
+    the rows: of rows whose errors have mean ``mu`` and trace variance ``t``,
+    its squared error is ``N t + N**2 |mu|**2``; the two parts' errors, being
+    independent, estimate ``|mu|**2`` by their inner product over the product
+    of their sizes (kept at 0 or above: a conservative estimate), so that
+    errors the rows share (rows alike, rounded alike) are not scaled as if
+    independent. Where the format's weight gradient is rounded to 16 bits
+    (``rounds``: a 16-bit product whose weight is no parameter, measured
+    unrounded on a sample), that rounding, read on every row, is added. The
+    counts read on every row are a floor under the estimated ones: a range
+    failure of the reference is never missed."""
     out_dtype, dx_dtype, _ = dtypes
 
     def full(d, field):
         key = "d" if d == np.dtype(dtype) else "f32"
         return s.get(("full", key, field), 0.0)
 
-    w_dtype = np.dtype(dtype) if rounds else _F32
-    dw = scale * s[fmt, "dw"]
+    def total(field):
+        return sum(v for k, v in s.items() if k[:2] == (fmt, field) and len(k) == 3)
+
+    scale, dw = 1.0, s[fmt, "dw"]
+    if sample is not None:
+        rows, sizes = sample
+        measured = sum(sizes)
+        scale = rows / measured
+        dw = scale * dw
+        if len(sizes) == 2:
+            mu2 = jnp.maximum(s[fmt, "dw_cross"] / float(sizes[0] * sizes[1]), 0.0)
+            dw = dw + float(rows * (rows - measured)) * mu2
     if rounds:
         dw = dw + s["full", "round"]
+    w_dtype = np.dtype(dtype) if rounds else _F32
     narrow = fmt is not Format.FLOAT32
     return dict(
-        linear=scale * s[fmt, "linear"],
-        fisher=scale * s[fmt, "fisher"],
-        dx=scale * s[fmt, "dx"],
+        linear=scale * total("linear"),
+        fisher=scale * total("fisher"),
+        dx=scale * total("dx"),
         dw=dw,
-        overflow=jnp.maximum(scale * s[fmt, "overflow"], full(out_dtype, "overflow")),
+        overflow=jnp.maximum(scale * total("overflow"), full(out_dtype, "overflow")),
         range=(s["full", "range", "x"] + s["full", "range", "w"])
         if fmt in (Format.HALF, Format.HALF_WIDE)
         else 0.0,
         grad_overflow=(
             (full(out_dtype, "grad") if narrow else 0.0)
-            + jnp.maximum(scale * s[fmt, "dx_bad"], full(dx_dtype, "dx"))
-            + jnp.maximum(s[fmt, "dw_bad"], full(w_dtype, "dw"))
+            + jnp.maximum(scale * total("dx_bad"), full(dx_dtype, "dx"))
+            + jnp.maximum(total("dw_bad"), full(w_dtype, "dw"))
         ),
         flush=full(out_dtype, "flush") if out_dtype != _F32 else 0.0,
     )

@@ -61,6 +61,7 @@ from jaxscale.precision._sites import ProbeContext, SiteContext
 from jaxscale.precision._stats import (
     FIELDS,
     REFERENCE,
+    Part,
     Sums,
     TapStats,
     fields,
@@ -68,6 +69,7 @@ from jaxscale.precision._stats import (
     format_terms,
     full_terms,
     halves_gap,
+    low,
     subset,
 )
 
@@ -133,12 +135,15 @@ def _product(
         return lambda x, w: bind(prim, _with_out(params, _F32), [x, w])[0]
     if fmt in (Format.HALF, Format.HALF_WIDE):
         out = _F32 if fmt is Format.HALF_WIDE else dtype
-        low = _with_out(params, out)
+        out_params = _with_out(params, out)
 
         def product(x, w):
             sources = [v if s else None for v, s in zip((x, w), wide, strict=True)]
-            xl, wl = x.astype(dtype), w.astype(dtype)
-            return wide_product(prim, low, xl, wl, sources=sources)
+            xl, wl = (
+                v.astype(dtype) if s else low(v, dtype)
+                for v, s in zip((x, w), wide, strict=True)
+            )
+            return wide_product(prim, out_params, xl, wl, sources=sources)
 
         return product
     recipe = FLOAT8_RECIPES[fmt]
@@ -234,11 +239,18 @@ def _tap(
         sums.add("grads", g2 != 0)
         sums.add("grad_beyond", jnp.abs(g2) > float(jnp.finfo(dtype).max))
         sub = subset(rows, sample)
-        xs, gs, ys, dxr, dwr, n = x2, g2, y2, dx2, dw, None
-        if sub is not None:  # each format on the sample's rows (module doc)
-            xs, gs, ys, dxr, n = x2[sub], g2[sub], y2[sub], dx2[sub], len(sub)
+        # Each format on the sample's rows, dealt alternately into two parts
+        # (their errors' inner product: the error the rows share; ``fields``).
+        picks = [None] if sub is None else [sub[0::2], sub[1::2]][: len(sub)]
+        parts = []
+        for pick in picks:
+            if pick is None:
+                parts.append(Part(x2, w32, g2, y2, dx2, dw))
+                continue
+            xs, gs = x2[pick], g2[pick]
             dwr = _weight_grad(xs, w32, gs, lay.dims)
-        scale = rows / (n or rows)
+            parts.append(Part(xs, w32, gs, y2[pick], dx2[pick], dwr, len(pick)))
+        sample_of = None if sub is None else (rows, [p.n for p in parts])
         matrix = {**params, "dimension_numbers": lay.dims}
         # A sample's weight gradient is measured unrounded, the rounding of a
         # 16-bit one (a weight that is no parameter) added from every row's.
@@ -255,21 +267,25 @@ def _tap(
             sums.add(("full", "round"), finite_sq(rounded - dw))
         dtypes = {}
         for f, m in made.items():
-            xf, gf = xs, gs
+            fparts = parts
             if sub is not None and f in FLOAT8_RECIPES:
                 # Two more rows give every recipe the whole tensors' scales and
                 # add exactly nothing to x^T g: x's column maxima against a
                 # zero gradient, a zero input against g's.
                 cx, cg = _colmax(x2), _colmax(g2)
-                xf = jnp.concatenate([xs, cx, jnp.zeros_like(cx)])
-                gf = jnp.concatenate([gs, jnp.zeros_like(cg), cg])
+                zx, zg = jnp.zeros_like(cx), jnp.zeros_like(cg)
+                fparts = [
+                    p._replace(
+                        x=jnp.concatenate([p.x, cx, zx]),
+                        g=jnp.concatenate([p.g, zg, cg]),
+                    )
+                    for p in parts
+                ]
             make = _product(m, matrix, lay.dims, dtype, measured)
-            dtypes[f] = format_terms(
-                sums, f, make, xf, w32, gf, ys, dxr, dwr, loss_scale, n
-            )
+            dtypes[f] = format_terms(sums, f, make, fparts, loss_scale)
         s = sums.reduce()
         per = [
-            fields(s, f, dtypes[f], dtype, scale, rounds[f])
+            fields(s, f, dtypes[f], dtype, sample_of, rounds[f])
             if f in made
             else dict.fromkeys(FIELDS, 0.0)
             for f in PRECISION
@@ -351,6 +367,8 @@ class SensorRule(SiteRule):
                 formats,
                 scale,
                 kind,
+                self.rows,
+                ctx.session.wide.get(name, (False, False)),
             )
             if probe is None:
                 probe = TapStats.zeros()  # only counting: the forward's value
