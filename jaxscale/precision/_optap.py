@@ -41,6 +41,7 @@ from jaxscale.precision._stats import (
     full_terms,
     halves_gap,
     low,
+    shared_rows,
     subset,
 )
 
@@ -148,7 +149,9 @@ def op_tap(
             lhs, _, out = conv_dimension_numbers(params)
             n = x32.shape[lhs[0]]
             k = _sample_size(n, _count_of(y.shape, out[2:]), sample)
-            if k is None:
+            if k is not None:  # examples enough for the shared error too
+                k = max(k, shared_rows(n, 0, w32.size))
+            if k is None or k >= n:
                 return None, params, None
             idx = subset(n, k)
             parts = []

@@ -20,6 +20,7 @@ from jaxscale.precision._measure import PRECISION
 __all__ = [
     "FIELDS",
     "REFERENCE",
+    "SHARED_NOISE",
     "Part",
     "Sums",
     "TapStats",
@@ -32,6 +33,7 @@ __all__ = [
     "halves_gap",
     "halves_noise",
     "low",
+    "shared_rows",
     "sq",
     "subset",
 ]
@@ -136,6 +138,25 @@ def subset(rows: int, sample: int | None) -> np.ndarray | None:
     j = np.arange(sample)
     jitter = np.modf((j + 1) * _GOLDEN)[0]
     return np.minimum(((j + jitter) * rows / sample).astype(np.int64), rows - 1)
+
+
+# The relative noise allowed in the estimate of the weight-gradient error that
+# a sample's rows share (:func:`fields`): the inner product of the two parts'
+# errors, scaled by N (N - s) / (a b), has a relative spread of about
+# sqrt(2) (N / s) / sqrt(k n) for a k x n weight with independent element
+# errors; :func:`shared_rows` sizes the sample to keep it at this.
+SHARED_NOISE = 0.15
+
+
+def shared_rows(rows: int, sample: int | None, size: int) -> int | None:
+    """The rows to measure a weight gradient of ``size`` elements over
+    ``rows`` on: ``sample``, or more where the weight is small, so that the
+    shared-error estimate's spread stays near :data:`SHARED_NOISE` (a small
+    weight's sample is cheap); ``None``: every row."""
+    if sample is None:
+        return None
+    need = math.ceil(math.sqrt(2.0) * rows / (SHARED_NOISE * math.sqrt(max(size, 1))))
+    return max(sample, need)
 
 
 def beyond(x, dtype: np.dtype) -> jax.Array:

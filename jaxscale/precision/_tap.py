@@ -70,6 +70,7 @@ from jaxscale.precision._stats import (
     full_terms,
     halves_gap,
     low,
+    shared_rows,
     subset,
 )
 
@@ -238,14 +239,15 @@ def _tap(
         sums.add("dw_ref", finite_sq(dw))
         sums.add("grads", g2 != 0)
         sums.add("grad_beyond", jnp.abs(g2) > float(jnp.finfo(dtype).max))
-        sub = subset(rows, sample)
+        sub = subset(rows, shared_rows(rows, sample, w.size))
         # Each format on the sample's rows, dealt alternately into two parts
         # (their errors' inner product: the error the rows share; ``fields``).
         picks = [None] if sub is None else [sub[0::2], sub[1::2]][: len(sub)]
         parts = []
         for pick in picks:
-            if pick is None:
-                parts.append(Part(x2, w32, g2, y2, dx2, dw))
+            if pick is None:  # against one product's (``dw`` sums two halves')
+                whole = _weight_grad(x2, w32, g2, lay.dims) if rows >= 2 else dw
+                parts.append(Part(x2, w32, g2, y2, dx2, whole))
                 continue
             xs, gs = x2[pick], g2[pick]
             dwr = _weight_grad(xs, w32, gs, lay.dims)
