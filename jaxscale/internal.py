@@ -47,6 +47,7 @@ from jaxscale.float8._check import summarize as gemm_summary
 from jaxscale.float8._choice import choose as float8_choice
 from jaxscale.float8._site import float8_dot as float8_dot
 from jaxscale.float8._site import sizes as dot_sizes
+from jaxscale.float8._site import weight_grad_operands as weight_grad_operands
 
 __all__ = [
     "AutocastRule",
@@ -65,5 +66,6 @@ __all__ = [
     "gemm_summary",
     "is_castable",
     "scaled_in_float32",
+    "weight_grad_operands",
     "wide_product",
 ]

@@ -66,6 +66,7 @@ __all__ = [
     "signature",
     "sizes",
     "using_state",
+    "weight_grad_operands",
 ]
 
 _F32 = np.dtype("float32")
@@ -373,6 +374,30 @@ def float8_dot(
     key = (*key, evaluating)
     y = _f8_matmul(key, x2, w2, state)
     return y.reshape(out_shape)
+
+
+def weight_grad_operands(
+    x: jax.Array, g: jax.Array, recipe: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The operands of the weight gradient ``x^T g`` of :func:`float8_dot` with a
+    recipe that keeps no state, ``x`` ``[M, K]`` and ``g`` ``[M, N]`` matrices, as
+    that product multiplies them: quantised (a tensorwise recipe: ``x`` with its
+    forward scale, ``g`` with its own; an axiswise one: both along M) and
+    dequantised to float32, so that their product (exact in float32 up to the
+    accumulation) is the site's weight gradient."""
+    if recipe.needs_state:
+        raise ValueError(
+            f"{type(recipe).__name__} keeps a state across steps: its scales are "
+            "not those of one batch's operands."
+        )
+    if recipe.axiswise:
+        (sx, sg), _ = _scales(recipe, (), [x, g], [0, 2], [0, 0])
+    else:
+        (sx,), _ = _scales(recipe, (), [x], [0], [1])
+        (sg,), _ = _scales(recipe, (), [g], [2], [1])
+    qx = saturate(x, sx, recipe.fwd_dtype).astype(_F32) * sx
+    qg = saturate(g, sg, recipe.bwd_dtype).astype(_F32) * sg
+    return qx, qg
 
 
 def _scales(

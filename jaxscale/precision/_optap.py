@@ -2,10 +2,16 @@
 (attention's score and value products) and convolutions.
 
 The same probe (:class:`~jaxscale.precision._tap.TapStats`) and fields as the
-dense tap (:mod:`jaxscale.precision._tap`), measured on every element (no row
-sample) and generically: each format's product is differentiated with
-``jax.vjp``, which gives its output and both operand gradients, against the
-float32 reference at ``Precision.HIGHEST``. The reference's ``amax`` is the
+dense tap (:mod:`jaxscale.precision._tap`), measured generically: each
+format's product is differentiated with ``jax.vjp``, which gives its output
+and both operand gradients, against the float32 reference at
+``Precision.HIGHEST``. With a row sample (``Sensor(rows=)``), on a sample of
+the batch: a batched product's slices (its batch axes flattened; each slice's
+products are its own, so the sums scale exactly in expectation), at least
+:data:`MIN_SLICES` of them, or a convolution's examples, in two parts, as the
+dense tap's rows (its kernel gradient sums over them:
+:func:`~jaxscale.precision._stats.fields`). The reference's sums, the range
+counts and ``amax`` read every element. The reference's ``amax`` is the
 largest magnitude of its output times the scale the 16-bit product takes in
 float32 before it is rounded (the float16 scale rule: ``q @ k.T * scale``), the
 range the sensor's per-site widening rule reads.

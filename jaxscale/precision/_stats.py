@@ -21,6 +21,8 @@ __all__ = [
     "FIELDS",
     "REFERENCE",
     "SHARED_NOISE",
+    "SKETCH",
+    "Sketch",
     "Part",
     "Sums",
     "TapStats",
@@ -159,6 +161,47 @@ def shared_rows(rows: int, sample: int | None, size: int) -> int | None:
     return max(sample, need)
 
 
+# The random directions a sketched weight-gradient error is measured along.
+SKETCH = 32
+
+
+class Sketch:
+    """The squared error of a weight gradient ``x^T g`` over every row, from
+    the operands a format multiplies (``x~``, ``g~``: rounded or quantised as
+    its product takes them) without that product: ``|E|**2`` of ``E = x~^T g~
+    - x^T g`` is the mean of ``|E v|**2`` over random directions ``v``
+    (entries of variance ``1 / SKETCH``), and ``E v = x~^T (g~ v) - x^T (g
+    v)`` costs ``SKETCH / n`` of the product (``n`` the smaller of the
+    weight's two sides, sketched along the larger). Unbiased; its relative
+    spread is about ``sqrt(2 / (SKETCH r))`` for an error of rank ``r`` (an
+    error the rows share, of rank ~2: ~18%; independent roundings: far
+    less). Where a side is at most ``SKETCH`` the error is computed whole.
+    ``x`` ``[M, K]``, ``g`` ``[M, N]``."""
+
+    def __init__(self, x, g):
+        (_, k), (_, n) = x.shape, g.shape
+        self.exact = min(k, n) <= SKETCH
+        self.right = n >= k  # the directions span g's columns
+        if not self.exact:
+            size = n if self.right else k
+            key = jax.random.key(0)
+            self.v = jax.random.normal(key, (size, SKETCH), _F32) / math.sqrt(SKETCH)
+        self.reference = self.apply(x, g)
+
+    def apply(self, x, g):
+        hi = lax.Precision.HIGHEST
+        if self.exact:
+            return jnp.matmul(x.T, g, precision=hi)
+        if self.right:
+            return jnp.matmul(x.T, jnp.matmul(g, self.v, precision=hi), precision=hi)
+        return jnp.matmul(jnp.matmul(x, self.v, precision=hi).T, g, precision=hi)
+
+    def error(self, x, g):
+        """The elementwise terms whose sum estimates ``|x^T g - x0^T g0|**2``
+        (``x0``, ``g0``: the reference's operands)."""
+        return finite_sq(self.apply(x, g) - self.reference)
+
+
 def beyond(x, dtype: np.dtype) -> jax.Array:
     """Elements of float32 ``x`` that ``dtype`` cannot hold (non-finite once
     cast where finite before), a mask (all false for float32)."""
@@ -274,14 +317,15 @@ def low(x, dtype: np.dtype):
     return cast(x)
 
 
-def format_terms(sums, fmt, make, parts, loss_scale):
+def format_terms(sums, fmt, make, parts, loss_scale, dw=True):
     """``fmt``'s elementwise terms, into ``sums``: the product ``make`` (of
     float32 operands) differentiated on each of ``parts`` (:class:`Part`),
     the gradient scaled by ``loss_scale`` and cast as the format takes it.
     The weight gradient's error is that of the parts' sum, and, of two parts,
     the inner product of their errors (``dw_cross``; :func:`fields`).
     Returns the dtypes its output, input gradient and weight gradient come
-    in."""
+    in. ``dw=False``: no weight-gradient terms (measured otherwise:
+    :class:`Sketch`)."""
     errors = []
     for i, p in enumerate(parts):
         yf, vjp = jax.vjp(make, p.x, p.w)
@@ -299,8 +343,11 @@ def format_terms(sums, fmt, make, parts, loss_scale):
         sums.add((fmt, "overflow", i), ~finite & jnp.isfinite(p.y))
         sums.add((fmt, "dx", i), finite_sq(dxf - p.dx))
         sums.add((fmt, "dx_bad", i), ~jnp.isfinite(dxf))
-        sums.add((fmt, "dw_bad", i), ~jnp.isfinite(dwf))
-        errors.append(jnp.where(jnp.isfinite(dwf), dwf - p.dw, 0.0))
+        if dw:
+            sums.add((fmt, "dw_bad", i), ~jnp.isfinite(dwf))
+            errors.append(jnp.where(jnp.isfinite(dwf), dwf - p.dw, 0.0))
+    if not dw:
+        return dtypes
     sums.add((fmt, "dw"), finite_sq(sum(errors)))
     if len(errors) == 2:
         sums.add((fmt, "dw_cross"), errors[0] * errors[1])
@@ -332,15 +379,17 @@ def fields(s, fmt, dtypes, dtype, sample, rounds) -> dict:
     def total(field):
         return sum(v for k, v in s.items() if k[:2] == (fmt, field) and len(k) == 3)
 
-    scale, dw = 1.0, s[fmt, "dw"]
+    scale, dw = 1.0, s.get((fmt, "dw"), 0.0)
     if sample is not None:
         rows, sizes = sample
         measured = sum(sizes)
         scale = rows / measured
         dw = scale * dw
-        if len(sizes) == 2:
+        if (fmt, "dw_cross") in s:
             mu2 = jnp.maximum(s[fmt, "dw_cross"] / float(sizes[0] * sizes[1]), 0.0)
             dw = dw + float(rows * (rows - measured)) * mu2
+    if (fmt, "dw_sketch") in s:  # every row, sketched (:class:`Sketch`)
+        dw = s[fmt, "dw_sketch"]
     if rounds:
         dw = dw + s["full", "round"]
     w_dtype = np.dtype(dtype) if rounds else _F32

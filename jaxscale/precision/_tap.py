@@ -13,7 +13,10 @@ operands and returns, as the cotangent of a zero *probe* input, per format:
   Taylor/Fisher score NVIDIA ModelOpt's ``auto_quantize`` ranks layers by),
   where ``dy`` is the format's output minus the reference;
 - the squared errors of its backward products ``g w^T`` and ``x^T g`` (run on
-  the gradient scaled by the loss scale and cast as the format would see it);
+  the gradient scaled by the loss scale and cast as the format would see it;
+  a parameter's ``x^T g`` leaves a 16-bit product in float32, as in the
+  plan's program, and a 16-bit result or gradient is rounded to 16 bits for
+  certain, whatever excess precision XLA would keep);
 - counts: outputs that overflow where the reference is finite, operands beyond
   the format's range, gradients that overflow or flush to zero once scaled.
 
@@ -27,6 +30,12 @@ half-means differ by noise alone, their difference's variance is
 ``tr Sigma (1/h + 1/(N - h))`` and the batch's ``N tr Sigma``, ``Sigma`` a
 row's covariance). A site of one row cannot split: its ``noise`` and
 ``halves`` are 0.
+
+With a row sample (``Sensor(rows=)``) each format runs on the sample's rows
+only (:func:`~jaxscale.precision._stats.subset`), dealt into two parts: the
+row sums are scaled up, and the weight gradient's squared error, a sum over
+the rows too, is scaled up with the error the rows share added (the two
+parts' errors' inner product; :func:`~jaxscale.precision._stats.fields`).
 
 The probe is a :class:`TapStats` (:mod:`jaxscale._probe`): each field named,
 the per-format ones ``f32[len(PRECISION)]``. Probes in a ``scan`` body enter
@@ -53,7 +62,13 @@ from jaxscale._jax_private import bind, dot_dimension_numbers
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._scope import Scope
 from jaxscale._speed import Format
-from jaxscale.internal import dtype_of, float8_dot, scaled_in_float32, wide_product
+from jaxscale.internal import (
+    dtype_of,
+    float8_dot,
+    scaled_in_float32,
+    weight_grad_operands,
+    wide_product,
+)
 from jaxscale.precision._apply import FLOAT8_RECIPES, SiteRule
 from jaxscale.precision._measure import PRECISION, measured_formats
 from jaxscale.precision._optap import op_tap
@@ -62,6 +77,7 @@ from jaxscale.precision._stats import (
     FIELDS,
     REFERENCE,
     Part,
+    Sketch,
     Sums,
     TapStats,
     fields,
@@ -70,7 +86,6 @@ from jaxscale.precision._stats import (
     full_terms,
     halves_gap,
     low,
-    shared_rows,
     subset,
 )
 
@@ -184,6 +199,19 @@ def _colmax(t):
     return jnp.max(jnp.abs(t), axis=0, keepdims=True)
 
 
+def _dw_operands(fmt: Format, x, g, dtype: np.dtype, loss_scale: float):
+    """The operands of ``fmt``'s weight gradient ``x^T g`` as its product
+    multiplies them (``x`` ``[M, K]``, ``g`` ``[M, N]``, float32), in float32,
+    the gradient unscaled: the 16-bit cast of ``x`` and of the scaled
+    gradient, or their float8 quantisations (from that 16-bit gradient)."""
+    g16 = (g * loss_scale).astype(dtype).astype(_F32)
+    if fmt in FLOAT8_RECIPES:
+        xq, gq = weight_grad_operands(x, g16, FLOAT8_RECIPES[fmt])
+    else:
+        xq, gq = x.astype(dtype).astype(_F32), g16
+    return xq, gq / loss_scale
+
+
 def _weight_grad(x, w, g, dims):
     """The reference weight gradient ``x^T g`` (``w``'s shape)."""
     _, vjp = jax.vjp(lambda b: _reference(x, b, dims), w)
@@ -239,7 +267,7 @@ def _tap(
         sums.add("dw_ref", finite_sq(dw))
         sums.add("grads", g2 != 0)
         sums.add("grad_beyond", jnp.abs(g2) > float(jnp.finfo(dtype).max))
-        sub = subset(rows, shared_rows(rows, sample, w.size))
+        sub = subset(rows, sample)
         # Each format on the sample's rows, dealt alternately into two parts
         # (their errors' inner product: the error the rows share; ``fields``).
         picks = [None] if sub is None else [sub[0::2], sub[1::2]][: len(sub)]
@@ -267,6 +295,21 @@ def _tap(
         if any(rounds.values()):
             rounded = (dw * loss_scale).astype(dtype).astype(_F32) / loss_scale
             sums.add(("full", "round"), finite_sq(rounded - dw))
+        # Every format's weight-gradient error but float32's over every row,
+        # sketched from the operands it multiplies (``Sketch``); float32's,
+        # whose operands a GPU rounds its own way, from the sample's parts.
+        sketch = None
+        if sub is not None:
+            xm, gm = x2.reshape(rows, -1), g2.reshape(rows, -1)
+            sketch = Sketch(xm, gm)
+            errors = {}  # 16 bits with either result: one backward
+            for f, m in made.items():
+                if m is not Format.FLOAT32:
+                    key = m if m in FLOAT8_RECIPES else Format.HALF
+                    if key not in errors:
+                        xq, gq = _dw_operands(m, xm, gm, dtype, loss_scale)
+                        errors[key] = sketch.error(xq, gq)
+                    sums.add((f, "dw_sketch"), errors[key])
         dtypes = {}
         for f, m in made.items():
             fparts = parts
@@ -284,7 +327,8 @@ def _tap(
                     for p in parts
                 ]
             make = _product(m, matrix, lay.dims, dtype, measured)
-            dtypes[f] = format_terms(sums, f, make, fparts, loss_scale)
+            own = sketch is None or m is Format.FLOAT32
+            dtypes[f] = format_terms(sums, f, make, fparts, loss_scale, dw=own)
         s = sums.reduce()
         per = [
             fields(s, f, dtypes[f], dtype, sample_of, rounds[f])
