@@ -58,7 +58,10 @@ def test_the_row_sample_estimates_the_exact_sums():
             assert want > 0 and got == pytest.approx(want, rel=0.5), (site, f)
             for k in ("overflow", "range", "grad_overflow", "flush"):
                 assert sampled[site][f][k] == exact[site][f][k], (site, f, k)
-        assert all(v == 0 for v in sampled[site][F.FLOAT32].values())
+        # float32 is the reference's product on the sample's rows: equal up to
+        # the rounding of a GEMM of other shapes (XLA:CPU blocks it otherwise).
+        for k, v in sampled[site][F.FLOAT32].items():
+            assert abs(v) <= 1e-4 * abs(sampled[site][F.HALF][k]) + 1e-12, (site, k)
 
 
 def test_a_row_outside_the_sample_still_fails_the_range():
