@@ -133,12 +133,15 @@ class Sensor:
       formats: the formats to measure (default: all five; ``HALF`` always,
         the budget's reference). Fewer formats, fewer products to compile
         and run; a format not measured is never chosen.
-      rows: the rows (a site's examples and positions) each format is
-        measured on, spread evenly over the batch, its sums scaled up to the
-        batch's (``docs/precision.md``, "What the sensor measures"): an
-        estimate, whose cost does not grow with the batch; ``None``: every
-        row, exact sums. The reference's own sums (the noise among them) and
-        the range checks always read every row.
+      rows: the rows (a site's examples and positions) each format's
+        products are measured on, one in each of ``rows`` strata of the
+        batch, their sums scaled up to the batch's; each format's weight
+        gradient error is sketched over every row from the operands it
+        multiplies; attention's and convolutions' products run on a sample
+        of their slices or examples (``docs/precision.md``, "What the sensor
+        measures"): estimates whose cost grows slowly with the batch;
+        ``None``: every row, exact sums. The reference's own sums (the noise
+        among them) and the range checks always read every row.
 
     Raises:
       TypeError: if ``rows`` is not an int or None.
