@@ -1,6 +1,9 @@
 """The sensor's probe kind, :class:`TapStats`: what one site's tap measures
 (:mod:`jaxscale.precision._tap` for matmuls, :mod:`jaxscale.precision._optap`
-for batched products and convolutions), field by field."""
+for batched products and convolutions), field by field; and what both taps
+measure it with: the row sample (:func:`subset`), each format's elementwise
+terms (:func:`format_terms`, :func:`full_terms`), their sums (:class:`Sums`),
+the weight-gradient sketch (:class:`Sketch`) and the fields (:func:`fields`)."""
 
 from __future__ import annotations
 
@@ -27,16 +30,13 @@ __all__ = [
     "Sums",
     "TapStats",
     "beyond",
-    "count",
     "fields",
     "finite_sq",
     "format_terms",
     "full_terms",
     "halves_gap",
-    "halves_noise",
     "low",
     "shared_rows",
-    "sq",
     "subset",
 ]
 
@@ -103,29 +103,11 @@ TapStats.COMBINE = MappingProxyType(
 assert TapStats._fields == FIELDS + REFERENCE  # the layout the docs name
 
 
-def count(mask) -> jax.Array:
-    """The true elements of ``mask``, as a float32 sum."""
-    return jnp.sum(mask.astype(np.float32))
-
-
-def sq(d) -> jax.Array:
-    """The sum of squares of ``d``'s finite elements."""
-    return jnp.sum(jnp.where(jnp.isfinite(d), d, 0.0) ** 2)
-
-
 def halves_gap(dw, dw1, n: int, h: int) -> tuple[Any, float]:
     """``(d, c)`` such that ``c |d|**2`` is the noise of a weight gradient
     ``dw`` over ``n`` rows (or examples) whose first ``h`` give ``dw1``:
     ``d = dw1 / h - (dw - dw1) / (n - h)``, ``c = h (n - h)``."""
     return dw1 * (1.0 / h) - (dw - dw1) * (1.0 / (n - h)), float(h * (n - h))
-
-
-def halves_noise(dw, dw1, n: int, h: int) -> list[Any]:
-    """``[noise, halves]`` of a weight gradient ``dw`` over ``n`` rows (or
-    examples) whose first ``h`` give ``dw1``: ``h (n - h) |dw1 / h - (dw -
-    dw1) / (n - h)|**2``, an estimate of ``tr Var(dw)``, and 1 (measured)."""
-    d, c = halves_gap(dw, dw1, n, h)
-    return [c * sq(d), 1.0]
 
 
 def subset(rows: int, sample: int | None) -> np.ndarray | None:
