@@ -47,6 +47,7 @@ from jaxscale.precision._stats import (
     full_terms,
     halves_gap,
     low,
+    rounded,
     shared_rows,
     subset,
 )
@@ -225,8 +226,8 @@ def op_tap(
             for f, m in made.items()
         }
         if any(rounds.values()):
-            rounded = (dw * loss_scale).astype(dtype).astype(_F32) / loss_scale
-            sums.add(("full", "round"), finite_sq(rounded - dw))
+            wider = rounded(dw * loss_scale, dtype) / loss_scale
+            sums.add(("full", "round"), finite_sq(wider - dw))
         dtypes = {
             f: format_terms(
                 sums, f, _product(prim, prm, m, dtype, measured), parts, loss_scale

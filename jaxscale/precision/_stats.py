@@ -36,6 +36,7 @@ __all__ = [
     "full_terms",
     "halves_gap",
     "low",
+    "rounded",
     "shared_rows",
     "subset",
 ]
@@ -245,7 +246,7 @@ def full_terms(sums, x, w, y, g, dx, dw, dtype, loss_scale) -> None:
     input and weight gradients beyond it once scaled (``dx``, ``dw``), and
     operands beyond it (``range``)."""
     for d, key in ((dtype, "d"), (_F32, "f32")):
-        gf = (g * loss_scale).astype(d).astype(_F32)
+        gf = rounded(g * loss_scale, d)
         sums.add(("full", key, "grad"), ~jnp.isfinite(gf) & jnp.isfinite(g))
         if d != _F32:
             sums.add(("full", key, "overflow"), beyond(y, d))
@@ -271,16 +272,21 @@ class Part(NamedTuple):
     n: int | None = None
 
 
+def rounded(x, dtype):
+    """``x`` rounded to ``dtype`` and back in its own dtype, the rounding kept:
+    XLA, which may keep excess precision, can remove a cast there and back (and
+    fold a 16-bit product's widening into the product, as XLA:CPU did for a
+    reshaped batched product); an optimization barrier between the two casts
+    keeps the 16-bit value."""
+    return lax.optimization_barrier(x.astype(dtype)).astype(x.dtype)
+
+
 def _widened(t):
-    """16-bit ``t`` in float32, rounded to its dtype for certain: XLA, which
-    may keep excess precision, can fold a 16-bit product's widening into the
-    product and skip the rounding that the step, which keeps the value in 16
-    bits, makes (it did on XLA:CPU for a reshaped batched product)."""
-    dt = np.dtype(t.dtype)
-    if dt == _F32:
+    """16-bit ``t`` in float32, rounded to its dtype for certain
+    (:func:`rounded`): the step keeps the value in 16 bits."""
+    if np.dtype(t.dtype) == _F32:
         return t
-    info = jnp.finfo(dt)
-    return lax.reduce_precision(t.astype(_F32), info.nexp, info.nmant)
+    return lax.optimization_barrier(t).astype(_F32)
 
 
 def low(x, dtype: np.dtype):

@@ -86,6 +86,7 @@ from jaxscale.precision._stats import (
     full_terms,
     halves_gap,
     low,
+    rounded,
     subset,
 )
 
@@ -204,11 +205,11 @@ def _dw_operands(fmt: Format, x, g, dtype: np.dtype, loss_scale: float):
     multiplies them (``x`` ``[M, K]``, ``g`` ``[M, N]``, float32), in float32,
     the gradient unscaled: the 16-bit cast of ``x`` and of the scaled
     gradient, or their float8 quantisations (from that 16-bit gradient)."""
-    g16 = (g * loss_scale).astype(dtype).astype(_F32)
+    g16 = rounded(g * loss_scale, dtype)
     if fmt in FLOAT8_RECIPES:
         xq, gq = weight_grad_operands(x, g16, FLOAT8_RECIPES[fmt])
     else:
-        xq, gq = x.astype(dtype).astype(_F32), g16
+        xq, gq = rounded(x, dtype), g16
     return xq, gq / loss_scale
 
 
@@ -293,8 +294,8 @@ def _tap(
             for f, m in made.items()
         }
         if any(rounds.values()):
-            rounded = (dw * loss_scale).astype(dtype).astype(_F32) / loss_scale
-            sums.add(("full", "round"), finite_sq(rounded - dw))
+            wider = rounded(dw * loss_scale, dtype) / loss_scale
+            sums.add(("full", "round"), finite_sq(wider - dw))
         # Every format's weight-gradient error but float32's over every row,
         # sketched from the operands it multiplies (``Sketch``); float32's,
         # whose operands a GPU rounds its own way, from the sample's parts.
