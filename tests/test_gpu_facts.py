@@ -163,3 +163,21 @@ def test_no_module_emulates_a_dtype_by_casting_there_and_back():
         if chain.search(line)
     ]
     assert not found, found
+
+
+def test_the_sensor_rounds_through_a_barrier_xla_keeps():
+    """The precision sensor rounds operands and results to 16 bits with
+    ``rounded`` (a cast, an optimization barrier, a cast back): lowered for
+    CUDA the barrier stands between the casts, which XLA:GPU's deviceless
+    compile then keeps (a plain cast there and back it removes: the sketch of
+    a weight gradient's error would read zero)."""
+    from jaxscale.precision._stats import rounded
+
+    x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32)
+    text = _cuda_text(lambda v: rounded(v, jnp.bfloat16), x)
+    barrier = text.index("stablehlo.optimization_barrier")
+    narrow = [m.start() for m in re.finditer(r"stablehlo\.convert.*bf16", text)]
+    assert narrow and min(narrow) < barrier
+    got = np.asarray(jax.jit(lambda v: rounded(v, jnp.bfloat16))(x))
+    want = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
