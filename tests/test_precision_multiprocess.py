@@ -181,7 +181,11 @@ def test_a_global_batch_counts_once(results):
         assert r["global_errors"] == results[0]["global_errors"]
         for site, errors in r["global_errors"].items():
             for f, e in errors.items():  # the same batch, split over 4 devices
-                assert e == pytest.approx(want[site][jxp.Format(f)], rel=1e-2)
+                # float8's weight-gradient error is computed from quantised
+                # operands whose roundings a differently partitioned program
+                # may flip (1.8% apart on jax 0.7.1); 16 bits within 1%.
+                tol = 5e-2 if f == jxp.Format.FLOAT8.value else 1e-2
+                assert e == pytest.approx(want[site][jxp.Format(f)], rel=tol)
 
 
 def _jxp():
