@@ -315,7 +315,7 @@ class Monitor:
       >>> def loss(p, x):
       ...     return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
       >>> p = {"w1": jnp.ones((16, 32)) / 16, "w2": jnp.ones((32, 4))}
-      >>> x = jnp.ones((8, 16))
+      >>> x = jax.random.normal(jax.random.key(0), (8, 16))
       >>> plan = jxs.plan_precision(loss, jnp.float16, cost="H100")(p, x)
       >>> mon = jxs.precision.Monitor(plan, jnp.float16, patience=1)
       >>> state = mon.init()
