@@ -35,19 +35,16 @@ from jaxscale._jax_private import bind, conv_dimension_numbers, dot_dimension_nu
 from jaxscale._jax_private import with_preferred_element_type as _with_out
 from jaxscale._speed import Format
 from jaxscale.internal import wide_product
-from jaxscale.precision._measure import PRECISION
 from jaxscale.precision._stats import (
-    FIELDS,
     Part,
     Sums,
-    TapStats,
-    fields,
     finite_sq,
     format_terms,
-    full_terms,
     halves_gap,
     low,
-    rounded,
+    probe,
+    reference_terms,
+    rounding_term,
     shared_rows,
     subset,
 )
@@ -208,11 +205,7 @@ def op_tap(
                 gap, coef = halves_gap(dw, dw1, n, h)
                 sums.add("noise", coef * finite_sq(gap))
                 halves = 1.0
-        full_terms(sums, x32, w32, y, g32, dx, dw, dtype, loss_scale)
-        sums.add("dx_ref", finite_sq(dx))
-        sums.add("dw_ref", finite_sq(dw))
-        sums.add("grads", g32 != 0)
-        sums.add("grad_beyond", jnp.abs(g32) > float(jnp.finfo(dtype).max))
+        reference_terms(sums, x32, w32, y, g32, dx, dw, dtype, loss_scale)
         parts, prm, sample_of = sampled(x32, w32, y, g32, dx, dw)
         partial = kind == "conv" and parts is not None
         if parts is None:
@@ -229,29 +222,26 @@ def op_tap(
             for f, m in made.items()
         }
         if any(rounds.values()):
-            wider = rounded(dw * loss_scale, dtype) / loss_scale
-            sums.add(("full", "round"), finite_sq(wider - dw))
+            rounding_term(sums, dw, dtype, loss_scale)
         dtypes = {
             f: format_terms(
                 sums, f, _product(prim, prm, m, dtype, measured), parts, loss_scale
             )
             for f, m in made.items()
         }
-        s = sums.reduce()
-        per = [
-            fields(s, f, dtypes[f], dtype, sample_of, rounds[f])
-            if f in made
-            else dict.fromkeys(FIELDS, 0.0)
-            for f in PRECISION
-        ]
         amax = jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0)
-        ref = [s["dx_ref"], s["dw_ref"], y.size, s["grads"], x.size + w.size]
-        ref += [s["grad_beyond"], s.get("noise", 0.0), halves, amax * abs(scale)]
-        probe = TapStats(
-            *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
-            *jnp.stack([jnp.asarray(r, _F32) for r in ref]),
+        stats = probe(
+            sums,
+            made,
+            dtypes,
+            dtype,
+            sample_of,
+            rounds,
+            (y.size, x.size + w.size),
+            halves,
+            amax * abs(scale),
         )
-        return dx.astype(x.dtype), dw.astype(w.dtype), probe
+        return dx.astype(x.dtype), dw.astype(w.dtype), stats
 
     tap.defvjp(fwd, bwd)
     return tap

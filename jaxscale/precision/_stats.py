@@ -22,11 +22,11 @@ from jaxscale.precision._measure import PRECISION
 
 __all__ = [
     "FIELDS",
+    "Part",
     "REFERENCE",
     "SHARED_NOISE",
     "SKETCH",
     "Sketch",
-    "Part",
     "Sums",
     "TapStats",
     "beyond",
@@ -36,7 +36,10 @@ __all__ = [
     "full_terms",
     "halves_gap",
     "low",
+    "probe",
+    "reference_terms",
     "rounded",
+    "rounding_term",
     "shared_rows",
     "subset",
 ]
@@ -306,6 +309,48 @@ def low(x, dtype: np.dtype):
 
     cast.defvjp(fwd, bwd)
     return cast(x)
+
+
+def reference_terms(sums, x, w, y, g, dx, dw, dtype, loss_scale) -> None:
+    """The reference's own terms, into ``sums``: the counts read on every row
+    (:func:`full_terms`), the squares of its backward products, the nonzero
+    gradients and those beyond ``dtype`` unscaled."""
+    full_terms(sums, x, w, y, g, dx, dw, dtype, loss_scale)
+    sums.add("dx_ref", finite_sq(dx))
+    sums.add("dw_ref", finite_sq(dw))
+    sums.add("grads", g != 0)
+    sums.add("grad_beyond", jnp.abs(g) > float(jnp.finfo(dtype).max))
+
+
+def rounding_term(sums, dw, dtype, loss_scale) -> None:
+    """The rounding of the (scaled) weight gradient ``dw`` to 16 bits, read
+    on every row (``("full", "round")``; :func:`fields` adds it where a
+    sample's weight gradient was measured unrounded)."""
+    wider = rounded(dw * loss_scale, dtype) / loss_scale
+    sums.add(("full", "round"), finite_sq(wider - dw))
+
+
+def probe(sums, formats, dtypes, dtype, sample, rounds, sizes, halves, amax):
+    """A site's :class:`TapStats` from its ``sums`` (reduced here): each of
+    ``formats``' fields (:func:`fields`; zeros for a format not measured),
+    then the reference's (``sizes``: the output's and both operands'
+    elements; ``halves``: 1 where the noise was measured; ``amax``)."""
+    s = sums.reduce()
+    per = [
+        fields(s, f, dtypes[f], dtype, sample, rounds[f])
+        if f in formats
+        else dict.fromkeys(FIELDS, 0.0)
+        for f in PRECISION
+    ]
+    outputs, inputs = sizes
+    ref = [s["dx_ref"], s["dw_ref"], outputs, s["grads"], inputs]
+    ref += [s["grad_beyond"], s.get("noise", 0.0), halves, amax]
+    # Stacked, then named: under ``vmap`` the sizes are batched like the sums
+    # and added over the examples as they are.
+    return TapStats(
+        *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
+        *jnp.stack([jnp.asarray(r, _F32) for r in ref]),
+    )
 
 
 def format_terms(sums, fmt, make, parts, loss_scale, dw=True):

@@ -80,13 +80,14 @@ from jaxscale.precision._stats import (
     Sketch,
     Sums,
     TapStats,
-    fields,
     finite_sq,
     format_terms,
-    full_terms,
     halves_gap,
     low,
+    probe,
+    reference_terms,
     rounded,
+    rounding_term,
     subset,
 )
 
@@ -263,11 +264,7 @@ def _tap(
             halves = 1.0
         else:
             dw = _weight_grad(x2, w32, g2, lay.dims)
-        full_terms(sums, x2, w32, y2, g2, dx2, dw, dtype, loss_scale)
-        sums.add("dx_ref", finite_sq(dx2))
-        sums.add("dw_ref", finite_sq(dw))
-        sums.add("grads", g2 != 0)
-        sums.add("grad_beyond", jnp.abs(g2) > float(jnp.finfo(dtype).max))
+        reference_terms(sums, x2, w32, y2, g2, dx2, dw, dtype, loss_scale)
         sub = subset(rows, sample)
         # Each format on the sample's rows, dealt alternately into two parts
         # (their errors' inner product: the error the rows share; ``fields``).
@@ -294,8 +291,7 @@ def _tap(
             for f, m in made.items()
         }
         if any(rounds.values()):
-            wider = rounded(dw * loss_scale, dtype) / loss_scale
-            sums.add(("full", "round"), finite_sq(wider - dw))
+            rounding_term(sums, dw, dtype, loss_scale)
         # Every format's weight-gradient error but float32's over every row,
         # sketched from the operands it multiplies (``Sketch``); float32's,
         # whose operands a GPU rounds its own way, from the sample's parts.
@@ -330,23 +326,19 @@ def _tap(
             make = _product(m, matrix, lay.dims, dtype, measured)
             own = sketch is None or m is Format.FLOAT32
             dtypes[f] = format_terms(sums, f, make, fparts, loss_scale, dw=own)
-        s = sums.reduce()
-        per = [
-            fields(s, f, dtypes[f], dtype, sample_of, rounds[f])
-            if f in made
-            else dict.fromkeys(FIELDS, 0.0)
-            for f in PRECISION
-        ]
         amax = jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0.0), initial=0.0)
-        ref = [s["dx_ref"], s["dw_ref"], y.size, s["grads"], x.size + w.size]
-        ref += [s["grad_beyond"], s.get("noise", 0.0), halves, amax]
-        # Stacked, then named: under ``vmap`` the sizes are batched like the
-        # sums and added over the examples as they are.
-        probe = TapStats(
-            *(jnp.stack([jnp.asarray(p[k], _F32) for p in per]) for k in FIELDS),
-            *jnp.stack([jnp.asarray(r, _F32) for r in ref]),
+        stats = probe(
+            sums,
+            made,
+            dtypes,
+            dtype,
+            sample_of,
+            rounds,
+            (y.size, x.size + w.size),
+            halves,
+            amax,
         )
-        return lay.back(dx2).astype(x.dtype), dw.astype(w.dtype), probe
+        return lay.back(dx2).astype(x.dtype), dw.astype(w.dtype), stats
 
     tap.defvjp(fwd, bwd)
     return tap
